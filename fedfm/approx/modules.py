@@ -1,0 +1,218 @@
+"""Torch modules of the approximations, for distillation and plaintext inference.
+
+Each module takes a spec (or ``None`` for the exact function) and evaluates it with the same
+evaluator an encrypted backend uses (:mod:`fedfm.approx.evaluate`).
+
+Divisions (softmax's normaliser, LayerNorm's ``1/sqrt(var)``) need their input scaled into the
+domain of the iteration. The scale is a bound fixed in plaintext from data (App. "Approximation
+results", *Inverse*): :func:`calibrate` runs the model on auxiliary data and records, per module,
+the largest value seen. The bounds are buffers, so they travel with the checkpoint and an
+encrypted evaluator uses exactly the same ones.
+
+Out-of-domain inputs are handled by each module's ``domain_policy``:
+
+``"clamp"`` (default)
+    clamp the scaled input to the domain and count the clamped elements in ``clamped`` (the
+    encrypted evaluator cannot clamp, so reports show this count);
+``"raise"``
+    raise :class:`~fedfm.errors.ApproximationDomainError` naming the module and the range seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfm.approx.evaluate import check_domain, evaluate_inv_sqrt, evaluate_inverse, polyval
+from fedfm.approx.specs import GoldschmidtInverseSpec, NewtonInvSqrtSpec, PolySpec
+from fedfm.errors import ApproximationDomainError, ConfigError
+
+DomainPolicy = Literal["clamp", "raise"]
+_POLICIES = ("clamp", "raise")
+
+
+class _Calibrated(nn.Module):
+    """A module whose division is scaled by a bound recorded from data."""
+
+    def __init__(self, bound_name: str) -> None:
+        super().__init__()
+        self.register_buffer("input_bound", torch.tensor(float("nan")))
+        self.register_buffer("clamped", torch.tensor(0, dtype=torch.long), persistent=False)
+        self.calibrating = False
+        self.domain_policy: DomainPolicy = "clamp"
+        self._bound_name = bound_name
+
+    def _scale(self, values: torch.Tensor, margin: float) -> torch.Tensor:
+        """Record the bound while calibrating, then return ``values / bound``."""
+        if self.calibrating:
+            seen = values.detach().max() * margin
+            self.input_bound = torch.where(
+                torch.isnan(self.input_bound), seen, torch.maximum(self.input_bound, seen)
+            )
+        if torch.isnan(self.input_bound):
+            raise ApproximationDomainError(
+                f"{self._bound_name} has no input bound yet: run "
+                "fedfm.approx.calibrate(model, data) "
+                "on auxiliary data before using the approximation"
+            )
+        return values / self.input_bound
+
+    def _enforce(
+        self, scaled: torch.Tensor, domain: tuple[float, float], *, open_interval: bool
+    ) -> torch.Tensor:
+        if self.domain_policy == "raise":
+            check_domain(
+                scaled.detach(), domain, what=self._bound_name, open_interval=open_interval
+            )
+            return scaled
+        low, high = domain
+        if open_interval:  # stay strictly inside (low, high)
+            span = high - low
+            low, high = low + 1e-6 * span, high - 1e-6 * span
+        outside = (scaled < low) | (scaled > high)
+        self.clamped += int(outside.sum())
+        return scaled.clamp(low, high)
+
+
+class ApproxSoftmax(_Calibrated):
+    """Softmax as ``p(a_i) / sum_j p(a_j)``: ``p`` the Taylor exp, the division by Goldschmidt.
+
+    With ``exp_spec=None`` the exponential is exact (computed on max-shifted logits for stability;
+    only plaintext sweeps use that mix); with ``inverse_spec=None`` the division is exact. With both
+    ``None`` this is ``torch.softmax``.
+    """
+
+    def __init__(
+        self, exp_spec: PolySpec | None, inverse_spec: GoldschmidtInverseSpec | None
+    ) -> None:
+        super().__init__("softmax normaliser")
+        self.exp_spec = exp_spec
+        self.inverse_spec = inverse_spec
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.exp_spec is None and self.inverse_spec is None:
+            return logits.softmax(dim=-1)
+        if self.exp_spec is None:
+            numerators = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+        else:
+            numerators = polyval(self.exp_spec, logits)
+        denominators = numerators.sum(dim=-1, keepdim=True)
+        if self.inverse_spec is None:
+            return numerators / denominators
+        scaled = self._scale(denominators, self.inverse_spec.calibration_margin)
+        scaled = self._enforce(scaled, self.inverse_spec.domain, open_interval=True)
+        # 1/d = (1/(d/B)) / B: the bound is a plaintext constant.
+        return numerators * (evaluate_inverse(self.inverse_spec, scaled) / self.input_bound)
+
+
+class ApproxGELU(nn.Module):
+    """GELU replaced by a polynomial (Eq. 2), or exact with ``spec=None``."""
+
+    def __init__(self, spec: PolySpec | None, *, approximate: str = "none") -> None:
+        super().__init__()
+        self.spec = spec
+        self.approximate = approximate  # only used when exact, to match the teacher's GELU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec is None:
+            return F.gelu(x, approximate=self.approximate)
+        return polyval(self.spec, x)
+
+
+class ApproxLayerNorm(_Calibrated):
+    """LayerNorm whose ``1/sqrt(var + eps)`` is Newton's iteration on the scaled variance.
+
+    Parameters ``weight`` and ``bias`` have the names and shapes of :class:`torch.nn.LayerNorm`, so
+    a teacher's state dict loads unchanged. With ``spec=None`` it equals ``torch.nn.LayerNorm``.
+    """
+
+    def __init__(
+        self, dim: int, *, eps: float = 1e-6, spec: NewtonInvSqrtSpec | None = None
+    ) -> None:
+        super().__init__("layer-norm variance")
+        self.dim = dim
+        self.eps = eps
+        self.spec = spec
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec is None:
+            return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+        centered = x - x.mean(dim=-1, keepdim=True)
+        variance = (centered * centered).mean(dim=-1, keepdim=True) + self.eps
+        scaled = self._scale(variance, self.spec.calibration_margin)
+        scaled = self._enforce(scaled, self.spec.domain, open_interval=False)
+        # 1/sqrt(v) = (1/sqrt(v/B)) / sqrt(B): sqrt(B) is a plaintext constant.
+        inv_std = evaluate_inv_sqrt(self.spec, scaled) * self.input_bound.rsqrt()
+        return centered * inv_std * self.weight + self.bias
+
+
+def calibrated_modules(model: nn.Module) -> Iterator[_Calibrated]:
+    """Every module of ``model`` that scales its input by a calibrated bound."""
+    return (m for m in model.modules() if isinstance(m, _Calibrated))
+
+
+def set_domain_policy(model: nn.Module, policy: DomainPolicy) -> None:
+    """Choose how every approximation in ``model`` treats out-of-domain inputs."""
+    if policy not in _POLICIES:
+        raise ConfigError(f"domain policy must be one of {_POLICIES}, got {policy!r}")
+    for module in calibrated_modules(model):
+        module.domain_policy = policy
+
+
+def clamped_count(model: nn.Module) -> int:
+    """Number of elements clamped into a domain since the counters were last reset."""
+    return sum(int(m.clamped) for m in calibrated_modules(model))
+
+
+def reset_clamped(model: nn.Module) -> None:
+    """Reset every clamp counter to zero."""
+    for module in calibrated_modules(model):
+        module.clamped.zero_()
+
+
+@contextmanager
+def calibrating(model: nn.Module) -> Iterator[None]:
+    """Within this block, forward passes reset and then record every module's input bound.
+
+    If the block raises, the previous bounds are restored.
+    """
+    modules = list(calibrated_modules(model))
+    previous = [module.input_bound.clone() for module in modules]
+    for module in modules:
+        module.input_bound.fill_(float("nan"))
+        module.calibrating = True
+    try:
+        yield
+    except BaseException:
+        for module, bound in zip(modules, previous, strict=True):
+            module.input_bound.copy_(bound)
+        raise
+    finally:
+        for module in modules:
+            module.calibrating = False
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
+    """Fix every approximation's input bound from the largest values ``model`` sees on ``batches``.
+
+    Layers are calibrated in forward order within each pass, so a layer's bound reflects the
+    approximated (not the exact) layers before it.
+    """
+    was_training = model.training
+    model.eval()
+    seen = 0
+    with calibrating(model):
+        for batch in batches:
+            model(batch)
+            seen += 1
+    model.train(was_training)
+    if seen == 0:
+        raise ConfigError("calibration needs at least one batch of data")

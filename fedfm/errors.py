@@ -1,0 +1,39 @@
+"""Errors raised by fedfm.
+
+Every error a user can cause derives from :class:`FedfmError`; the command line prints its
+message on one line and exits non-zero instead of showing a traceback.
+"""
+
+from __future__ import annotations
+
+
+class FedfmError(Exception):
+    """Base class of every error fedfm raises on purpose."""
+
+
+class ConfigError(FedfmError):
+    """A setting, argument or configuration value is invalid."""
+
+
+class DataError(FedfmError):
+    """A dataset is missing, malformed or cannot be partitioned as asked."""
+
+
+class ModelError(FedfmError):
+    """A model name, checkpoint or architecture cannot be used."""
+
+
+class CheckpointError(ModelError):
+    """A checkpoint file is corrupt or does not match the model or run it is loaded into."""
+
+
+class ApproximationDomainError(FedfmError):
+    """An approximation was evaluated outside the input range it is valid on."""
+
+
+class ProtocolError(FedfmError):
+    """A protocol message arrived in a state that does not allow it, or is malformed."""
+
+
+class CryptoParameterError(FedfmError):
+    """Encryption parameters are insecure or cannot support the requested computation."""

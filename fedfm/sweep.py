@@ -1,0 +1,192 @@
+"""Approximation sweeps like Tables 5 and 6 of spec ``001`` (App. "Approximation results").
+
+For every value (exp degree, or Goldschmidt iterations) the student starts from the cached teacher,
+is calibrated, runs one epoch of stage-I distillation on ``D_aux``, and is then measured on the
+held-out test set:
+
+* attention loss ``L_a`` (Eq. 12) and representation loss ``L_h`` (Eq. 13), per element;
+* one-epoch accuracy (test accuracy after that single epoch);
+* latency of a forward pass over a batch of 8 (median of repeats, plaintext torch on CPU);
+* activation memory: bytes of the tensors autograd saves for the backward pass of one batch of 8
+  (a CPU has no allocator peak counter; saved activations are what grows with the degree).
+
+Table 5 varies the exp degree with every other non-linearity exact; Table 6 varies the inverse
+iterations with the exp of degree 6 and the rest exact (the paper keeps "all other non-linear
+components fixed").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedfm.approx.modules import calibrate
+from fedfm.approx.specs import ApproxConfig, GoldschmidtInverseSpec, taylor_exp
+from fedfm.distill import calibration_batches, layer_losses, run_epoch
+from fedfm.errors import ConfigError
+from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
+from fedfm.pipeline import DistillRun, load_data, teacher_for
+from fedfm.results import write_results
+from fedfm.training import batches, score
+
+PAPER_VALUES = {"exp": [2, 4, 6, 8, 10, 16, None], "inverse": [2, 4, 6, 7, 8, 10, 12, 16, None]}
+BENCH_BATCH = 8
+
+
+def sweep_config(kind: str, value: int | None) -> ApproxConfig:
+    """The approximations of one sweep point (see the module docstring)."""
+    if kind == "exp":
+        exp = None if value is None else taylor_exp(value)
+        return ApproxConfig(exp=exp, inverse=None, gelu=None, inv_sqrt=None)
+    if kind == "inverse":
+        inverse = None if value is None else GoldschmidtInverseSpec(value)
+        return ApproxConfig(exp=taylor_exp(6), inverse=inverse, gelu=None, inv_sqrt=None)
+    raise ConfigError(f"sweep kind must be 'exp' or 'inverse', got {kind!r}")
+
+
+def _varied_spec_depth(approx: ApproxConfig, kind: str) -> int | None:
+    spec = approx.exp if kind == "exp" else approx.inverse
+    return None if spec is None else spec.depth
+
+
+def median_latency(fn: Callable[[], Any], *, repeats: int) -> float:
+    """Median wall time of ``fn()`` in seconds, after one warm-up call."""
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def saved_activation_bytes(model: FheViT, images: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward pass of ``model(images)`` (distinct storages)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(images).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+@torch.no_grad()
+def test_losses(student: FheViT, teacher: FheViT, images: torch.Tensor) -> dict[str, float]:
+    """Mean attention and representation losses over the test images."""
+    student.eval()
+    sums = {"attention": 0.0, "hidden": 0.0}
+    for batch_images, _ in batches(images, torch.zeros(len(images)), batch_size=64):
+        terms = layer_losses(
+            student.forward_intermediates(batch_images), teacher.forward_intermediates(batch_images)
+        )
+        for key in sums:
+            sums[key] += terms[key].item() * len(batch_images)
+    return {key: value / len(images) for key, value in sums.items()}
+
+
+def run_sweep(
+    run: DistillRun,
+    *,
+    kind: str,
+    values: Sequence[int | None] | None = None,
+    results_dir: Path = Path("results"),
+    repeats: int = 20,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Run one sweep and write ``results/approx_sweep_<kind>.{json,md}``; return its rows."""
+    values = list(PAPER_VALUES[kind] if values is None and kind in PAPER_VALUES else values or [])
+    configs = [(value, sweep_config(kind, value)) for value in values]  # validate before work
+    if not configs:
+        raise ConfigError("the sweep needs at least one value")
+    splits, image_size = load_data(run)
+    torch.manual_seed(run.seed)
+    teacher_vit, _ = teacher_for(run, splits, image_size, progress=progress, log=log)
+    teacher = to_fhe_friendly(teacher_vit, ApproxConfig.exact()).eval()
+    one_epoch = replace(run.distill, epochs=2)  # stage1_epochs == 1
+    calibration = calibration_batches(splits.aux.images, one_epoch)
+    bench_images = splits.test.images[:BENCH_BATCH]
+    rows = []
+    for value, approx in configs:
+        student = to_fhe_friendly(teacher_vit, approx)
+        calibrate(student, calibration)
+        optimizer = torch.optim.Adam(student.parameters(), lr=one_epoch.lr_stage1)
+        run_epoch(
+            student,
+            teacher,
+            splits.aux.images,
+            splits.aux.labels,
+            stage=1,
+            optimizer=optimizer,
+            config=one_epoch,
+            generator=torch.Generator().manual_seed(run.seed),
+            progress=progress,
+            description=f"{kind}={value if value is not None else 'exact'}",
+        )
+        calibrate(student, calibration)
+        losses = test_losses(student, teacher, splits.test.images)
+        accuracy = score(student, splits.test.images, splits.test.labels)
+        student.eval()
+        with torch.inference_mode():
+            latency = median_latency(lambda s=student: s(bench_images), repeats=repeats)
+        row = {
+            kind: "exact" if value is None else value,
+            "depth": _varied_spec_depth(approx, kind),
+            "attention_loss": losses["attention"],
+            "representation_loss": losses["hidden"],
+            "one_epoch_accuracy": accuracy.accuracy,
+            "one_epoch_balanced_accuracy": accuracy.balanced_accuracy,
+            "latency_ms_per_batch": 1000 * latency,
+            "activation_mib_per_batch": saved_activation_bytes(student, bench_images) / 2**20,
+        }
+        rows.append(row)
+        log(
+            f"[fedfm] sweep {kind}={row[kind]}: "
+            + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
+        )
+    title = {
+        "exp": "Softmax: Taylor exp degree (Table 5)",
+        "inverse": "Inverse: Goldschmidt iterations (Table 6)",
+    }[kind]
+    write_results(
+        results_dir,
+        f"approx_sweep_{kind}",
+        title=title,
+        description=(
+            f"Dataset {run.dataset} (D_aux {len(splits.aux)}, test {len(splits.test)}), model "
+            f"{run.model} at {image_size}px, one stage-I epoch (batch {one_epoch.batch_size}, Adam "
+            f"{one_epoch.lr_stage1}) per row, plaintext torch on CPU. Losses are per-element MSE "
+            f"on the test set; latency is a forward pass over {BENCH_BATCH} images; activation "
+            "memory is "
+            "what autograd saves for one backward pass over those images. "
+            + (
+                "Other non-linearities exact."
+                if kind == "exp"
+                else "Exp of degree 6, other non-linearities exact."
+            )
+        ),
+        rows=rows,
+        columns=[
+            (kind, "exp degree d" if kind == "exp" else "inverse iterations d"),
+            ("depth", "mult. depth"),
+            ("activation_mib_per_batch", "activations (MiB)"),
+            ("latency_ms_per_batch", "latency (ms / batch of 8)"),
+            ("attention_loss", "attention loss L_a"),
+            ("representation_loss", "representation loss L_h"),
+            ("one_epoch_accuracy", "one-epoch accuracy"),
+        ],
+    )
+    return rows
