@@ -38,6 +38,7 @@ def run_latency_benchmark(
     repeats: int = 20,
     results_dir: Path = Path("results"),
     log: Callable[[str], None] = print,
+    command: str | None = None,
 ) -> list[dict[str, Any]]:
     """Measure and write ``results/latency_fhe_friendly.{json,md}``; return the rows."""
     check_batch_size(batch_size)
@@ -86,5 +87,6 @@ def run_latency_benchmark(
             ("ratio_vs_timm", "x timm"),
         ],
         extra={"approximations": approx.describe(), "batch_size": len(images)},
+        command=command,
     )
     return rows

@@ -10,6 +10,7 @@ Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -128,6 +129,7 @@ def _sweep(args: argparse.Namespace) -> None:
         values=args.values,
         results_dir=args.results_dir,
         progress=not args.no_progress,
+        command=args.command_line,
     )
 
 
@@ -139,6 +141,7 @@ def _bench(args: argparse.Namespace) -> None:
         batch_size=args.bench_batch_size,
         repeats=args.repeats,
         results_dir=args.results_dir,
+        command=args.command_line,
     )
 
 
@@ -187,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedfm`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["fedfm", *(sys.argv[1:] if argv is None else argv)])
     try:
         args.handler(args)
-    except FedfmError as error:
+    except (FedfmError, OSError) as error:  # OSError: unusable folders, full disk, ...
         print(f"fedfm: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

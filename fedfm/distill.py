@@ -231,10 +231,6 @@ def distill(
         )
         row = {"epoch": epoch + 1, "stage": stage, **losses, "clamped": clamped_count(student)}
         history.append(row)
-        log(
-            f"[fedfm] distill epoch {epoch + 1}/{config.epochs} stage {stage}: "
-            + ", ".join(f"{k}={v:.4g}" for k, v in losses.items())
-        )
         if state_path is not None:
             save_checkpoint(
                 state_path,
@@ -247,6 +243,10 @@ def distill(
                     "history": history,
                 },
             )
+        log(
+            f"[fedfm] distill epoch {epoch + 1}/{config.epochs} stage {stage}: "
+            + ", ".join(f"{k}={v:.4g}" for k, v in losses.items())
+        )
     # Final bounds reflect the final weights; the encrypted evaluator uses these.
     calibrate(student, calibration)
     student.eval()

@@ -22,6 +22,7 @@ from fedfm.approx.modules import calibrated_modules, clamped_count, reset_clampe
 from fedfm.approx.specs import ApproxConfig
 from fedfm.data import DataSplits, load_splits
 from fedfm.distill import DistillConfig, distill
+from fedfm.errors import CheckpointError
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import (
     DEFAULT_MODEL,
@@ -72,7 +73,7 @@ class DistillRun:
 def load_data(run: DistillRun) -> tuple[DataSplits, int]:
     """The dataset splits at the model's input size, and that size."""
     check_model_name(run.model)
-    image_size = run.image_size or native_image_size(run.model)
+    image_size = run.image_size if run.image_size is not None else native_image_size(run.model)
     splits = load_splits(
         run.dataset,
         image_size=image_size,
@@ -129,8 +130,14 @@ def save_student(path: Path, student: FheViT, spec: ModelSpec, settings: ApproxS
 def load_student(path: str | Path) -> FheViT:
     """Rebuild a distilled student from ``student.pt`` (weights and calibrated bounds)."""
     payload = read_checkpoint(path, expected_format=STUDENT_FORMAT)
-    spec = ModelSpec(**payload["model"])
-    student = to_fhe_friendly(spec.build(), ApproxSettings(**payload["approx"]).build())
+    try:
+        spec = ModelSpec(**payload["model"])
+        approx = ApproxSettings(**payload["approx"]).build()
+    except (KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"student checkpoint {path} has no valid model description"
+        ) from error
+    student = to_fhe_friendly(spec.build(), approx)
     load_state_strict(student, payload["state_dict"], source=f"student checkpoint {path}")
     return student.eval()
 
@@ -206,7 +213,11 @@ def run_distillation(
         "exact_student_balanced_accuracy": exact_scores.balanced_accuracy,
         "accuracy_gap_points": 100 * (teacher_scores.accuracy - student_scores.accuracy),
         "test_values_clamped": test_clamped,
-        "input_bounds": [float(m.input_bound) for m in calibrated_modules(student)],
+        # NaN marks a division left exact (never calibrated); JSON has no NaN
+        "input_bounds": [
+            None if torch.isnan(m.input_bound) else float(m.input_bound)
+            for m in calibrated_modules(student)
+        ],
         "teacher_pretrain_loss": teacher_meta.get("pretrain_loss"),
         "distill_history": history,
         "settings": json.loads(json.dumps(asdict(run), default=str)),
@@ -214,7 +225,7 @@ def run_distillation(
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
     }
-    (workdir / "report.json").write_text(json.dumps(report, indent=2))
+    (workdir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
     log(
         f"[fedfm] test accuracy: teacher {teacher_scores.accuracy:.4f}, "
         f"FHE-friendly student {student_scores.accuracy:.4f}, "

@@ -60,10 +60,14 @@ def write_results(
     rows: Sequence[dict[str, Any]],
     columns: Sequence[tuple[str, str]],
     extra: dict[str, Any] | None = None,
+    command: str | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``<name>.json`` and ``<name>.md`` under ``results_dir`` and print the command."""
+    """Write ``<name>.json`` and ``<name>.md`` under ``results_dir`` and print the command.
+
+    ``command`` is the command line that regenerates the results (default: this process's).
+    """
     results_dir.mkdir(parents=True, exist_ok=True)
-    command = command_line()
+    command = command or command_line()
     payload = {
         "title": title,
         "description": description,
@@ -74,7 +78,7 @@ def write_results(
     }
     json_path = results_dir / f"{name}.json"
     md_path = results_dir / f"{name}.md"
-    json_path.write_text(json.dumps(payload, indent=2, default=str))
+    json_path.write_text(json.dumps(payload, indent=2, default=str, allow_nan=False))
     md_path.write_text(
         f"# {title}\n\n{description}\n\n{markdown_table(rows, columns)}\n\n"
         f"Regenerate: `{command}`\n"

@@ -7,8 +7,11 @@ held-out test set:
 * attention loss ``L_a`` (Eq. 12) and representation loss ``L_h`` (Eq. 13), per element;
 * one-epoch accuracy (test accuracy after that single epoch);
 * latency of a forward pass over a batch of 8 (median of repeats, plaintext torch on CPU);
-* activation memory: bytes of the tensors autograd saves for the backward pass of one batch of 8
-  (a CPU has no allocator peak counter; saved activations are what grows with the degree).
+* peak memory of one training step (forward + backward over a batch of 8): the rise of the
+  resident-set high-water mark in a fresh process that holds only the student (a CPU has no
+  allocator peak counter like ``torch.cuda.max_memory_allocated``);
+* activation memory: bytes of the tensors autograd saves for that backward pass (deterministic;
+  this is what grows with the degree).
 
 Table 5 varies the exp degree with every other non-linearity exact; Table 6 varies the inverse
 iterations with the exp of degree 6 and the rest exact (the paper keeps "all other non-linear
@@ -17,8 +20,10 @@ components fixed").
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,7 @@ from fedfm.approx.specs import ApproxConfig, GoldschmidtInverseSpec, taylor_exp
 from fedfm.distill import calibration_batches, layer_losses, run_epoch
 from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
+from fedfm.models.foundation import ModelSpec
 from fedfm.pipeline import DistillRun, load_data, teacher_for
 from fedfm.results import write_results
 from fedfm.training import batches, score
@@ -83,8 +89,48 @@ def saved_activation_bytes(model: FheViT, images: torch.Tensor) -> int:
     return sum(storages.values())
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise ConfigError(f"/proc/self/status has no {field} line")
+
+
+def _training_step_peak_rss(
+    spec: ModelSpec, approx: ApproxConfig, state: dict[str, torch.Tensor], images: torch.Tensor
+) -> int | None:
+    """In a fresh process: peak resident memory (bytes) above the start of one training step.
+
+    Linux only: writing 5 to ``/proc/self/clear_refs`` resets the high-water mark ``VmHWM`` to
+    the current resident size, so that ``VmHWM`` after the step is the step's own peak.
+    """
+    clear_refs = Path("/proc/self/clear_refs")
+    if not clear_refs.exists():
+        return None
+    student = to_fhe_friendly(spec.build(), approx)
+    student.load_state_dict(state)
+    student.train()
+    before = _status_kib("VmRSS")
+    clear_refs.write_text("5")
+    student(images).sum().backward()
+    return 1024 * (_status_kib("VmHWM") - before)
+
+
+def peak_step_memory(spec: ModelSpec, student: FheViT, images: torch.Tensor) -> int | None:
+    """Peak memory (bytes) of one training step of ``student`` in a fresh process (Linux only).
+
+    The process is gone when this returns, so it cannot disturb later latency measurements.
+    """
+    state = {key: value.clone() for key, value in student.state_dict().items()}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as executor:
+        return executor.submit(
+            _training_step_peak_rss, spec, student.approx, state, images
+        ).result()
+
+
 @torch.no_grad()
-def test_losses(student: FheViT, teacher: FheViT, images: torch.Tensor) -> dict[str, float]:
+def evaluation_losses(student: FheViT, teacher: FheViT, images: torch.Tensor) -> dict[str, float]:
     """Mean attention and representation losses over the test images."""
     student.eval()
     sums = {"attention": 0.0, "hidden": 0.0}
@@ -106,8 +152,13 @@ def run_sweep(
     repeats: int = 20,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    command: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Run one sweep and write ``results/approx_sweep_<kind>.{json,md}``; return its rows."""
+    """Run one sweep and write ``results/approx_sweep_<kind>.{json,md}``; return its rows.
+
+    Peak memory is measured in spawned processes: call this under ``if __name__ == "__main__":``
+    when running it from a script.
+    """
     values = list(PAPER_VALUES[kind] if values is None and kind in PAPER_VALUES else values or [])
     configs = [(value, sweep_config(kind, value)) for value in values]  # validate before work
     if not configs:
@@ -119,6 +170,7 @@ def run_sweep(
     one_epoch = replace(run.distill, epochs=2)  # stage1_epochs == 1
     calibration = calibration_batches(splits.aux.images, one_epoch)
     bench_images = splits.test.images[:BENCH_BATCH]
+    spec = ModelSpec(run.model, splits.aux.num_classes, image_size)
     rows = []
     for value, approx in configs:
         student = to_fhe_friendly(teacher_vit, approx)
@@ -137,11 +189,12 @@ def run_sweep(
             description=f"{kind}={value if value is not None else 'exact'}",
         )
         calibrate(student, calibration)
-        losses = test_losses(student, teacher, splits.test.images)
+        losses = evaluation_losses(student, teacher, splits.test.images)
         accuracy = score(student, splits.test.images, splits.test.labels)
         student.eval()
         with torch.inference_mode():
             latency = median_latency(lambda s=student: s(bench_images), repeats=repeats)
+        peak = peak_step_memory(spec, student, bench_images)
         row = {
             kind: "exact" if value is None else value,
             "depth": _varied_spec_depth(approx, kind),
@@ -150,6 +203,7 @@ def run_sweep(
             "one_epoch_accuracy": accuracy.accuracy,
             "one_epoch_balanced_accuracy": accuracy.balanced_accuracy,
             "latency_ms_per_batch": 1000 * latency,
+            "peak_step_mib": None if peak is None else peak / 2**20,
             "activation_mib_per_batch": saved_activation_bytes(student, bench_images) / 2**20,
         }
         rows.append(row)
@@ -169,9 +223,10 @@ def run_sweep(
             f"Dataset {run.dataset} (D_aux {len(splits.aux)}, test {len(splits.test)}), model "
             f"{run.model} at {image_size}px, one stage-I epoch (batch {one_epoch.batch_size}, Adam "
             f"{one_epoch.lr_stage1}) per row, plaintext torch on CPU. Losses are per-element MSE "
-            f"on the test set; latency is a forward pass over {BENCH_BATCH} images; activation "
-            "memory is "
-            "what autograd saves for one backward pass over those images. "
+            f"on the test set; latency is a forward pass over {BENCH_BATCH} images; peak memory "
+            "is the rise of the resident-set high-water mark over one forward + backward pass "
+            "on them in a fresh process; activation memory is what autograd saves for that "
+            "backward pass. "
             + (
                 "Other non-linearities exact."
                 if kind == "exp"
@@ -182,11 +237,13 @@ def run_sweep(
         columns=[
             (kind, "exp degree d" if kind == "exp" else "inverse iterations d"),
             ("depth", "mult. depth"),
+            ("peak_step_mib", "peak memory (MiB)"),
             ("activation_mib_per_batch", "activations (MiB)"),
             ("latency_ms_per_batch", "latency (ms / batch of 8)"),
             ("attention_loss", "attention loss L_a"),
             ("representation_loss", "representation loss L_h"),
             ("one_epoch_accuracy", "one-epoch accuracy"),
         ],
+        command=command,
     )
     return rows

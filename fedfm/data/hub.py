@@ -6,17 +6,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import datasets
-import httpx
 import numpy as np
 import torch
-from huggingface_hub import constants, get_session
 from PIL import Image
 
 from fedfm.data.splitting import RawImages, Source
 from fedfm.errors import ConfigError, DataError
+from fedfm.hub import hub_unreachable_reason
 
-# Without network, `datasets` retries for ~25 s before giving up; one short probe fails faster.
-_HUB_TIMEOUT_S = 5.0
 _OPTIONS = ("partition_by", "image", "label")
 _IMAGE_COLUMNS = ("img", "image")
 _LABEL_COLUMNS = ("label", "labels", "fine_label")
@@ -120,15 +117,12 @@ def _parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def _check_hub_reachable(name: str) -> None:
-    try:
-        # The Hub's own session honours proxies and HF_ENDPOINT like load_dataset does.
-        get_session().head(constants.ENDPOINT, timeout=_HUB_TIMEOUT_S)
-    except httpx.TransportError as exc:
+    reason = hub_unreachable_reason()
+    if reason is not None:
         raise DataError(
-            f"cannot load Hugging Face dataset {name!r}: the Hub at {constants.ENDPOINT} is "
-            f"unreachable ({exc}). Without network only datasets already in the local cache "
-            "work, and only with HF_HUB_OFFLINE=1 set."
-        ) from exc
+            f"cannot load Hugging Face dataset {name!r}: {reason}. Without network only "
+            "datasets already in the local cache work, and only with HF_HUB_OFFLINE=1 set."
+        )
 
 
 def _find_column(

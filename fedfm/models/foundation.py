@@ -20,9 +20,11 @@ from typing import Any
 
 import timm
 import torch
+from huggingface_hub import constants as hub_constants
 from timm.models.vision_transformer import VisionTransformer
 
 from fedfm.errors import CheckpointError, ConfigError, ModelError
+from fedfm.hub import hub_unreachable_reason
 
 # Model variants as data (timm style). Patch 4 on 32x32 inputs gives 64 patches + 1 class token.
 EMBEDDED_VITS: dict[str, dict[str, Any]] = {
@@ -60,11 +62,18 @@ class ModelSpec:
         check_model_name(self.name)
         if self.embedded:
             config = {**EMBEDDED_VITS[self.name], "img_size": self.img_size}
-            return VisionTransformer(**config, num_classes=self.num_classes)
-        model = timm.create_model(
-            self.name, pretrained=False, num_classes=self.num_classes, img_size=self.img_size
-        )
-        return _require_vit(model, self.name)
+            model = VisionTransformer(**config, num_classes=self.num_classes)
+        else:
+            model = timm.create_model(
+                self.name, pretrained=False, num_classes=self.num_classes, img_size=self.img_size
+            )
+        model = _require_vit(model, self.name)
+        patch = max(model.patch_embed.patch_size)
+        if self.img_size < patch:
+            raise ConfigError(
+                f"image size {self.img_size} is smaller than {self.name}'s patch size {patch}"
+            )
+        return model
 
 
 def native_image_size(name: str) -> int:
@@ -122,7 +131,11 @@ def load_pretrained(spec: ModelSpec, *, checkpoint: str | Path | None = None) ->
         if not path.is_file():
             raise ModelError(f"weights file {path} does not exist")
         overlay = {"file": str(path)}
+    # Offline, load only from the local Hugging Face cache instead of retrying for a minute.
+    offline = checkpoint is None and hub_unreachable_reason() is not None
+    saved_offline = hub_constants.HF_HUB_OFFLINE
     try:
+        hub_constants.HF_HUB_OFFLINE = saved_offline or offline
         model = timm.create_model(
             spec.name,
             pretrained=True,
@@ -137,6 +150,8 @@ def load_pretrained(spec: ModelSpec, *, checkpoint: str | Path | None = None) ->
             f"could not load pretrained weights for {spec.name!r} from {where}: "
             f"{type(error).__name__}: {error}{hint}"
         ) from error
+    finally:
+        hub_constants.HF_HUB_OFFLINE = saved_offline
     return _require_vit(model, spec.name)
 
 
