@@ -142,6 +142,19 @@ def load_student(path: str | Path) -> FheViT:
     return student.eval()
 
 
+def obtain_student(
+    run: DistillRun, *, progress: bool = True, log: Callable[[str], None] = print
+) -> FheViT:
+    """The distilled student of ``run``: loaded from its work directory, or distilled now."""
+    path = Path(run.workdir) / "student.pt"
+    if not path.exists():
+        log(f"[fedfm] no student at {path}: running the distillation first")
+        run_distillation(run, progress=progress, log=log)
+    else:
+        log(f"[fedfm] server model: FHE-friendly student {path}")
+    return load_student(path)
+
+
 def _scores(model: Callable[[torch.Tensor], torch.Tensor], splits: DataSplits) -> Scores:
     return score(model, splits.test.images, splits.test.labels)
 

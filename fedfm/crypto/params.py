@@ -1,0 +1,81 @@
+"""CKKS parameter sets: the one place their numbers live.
+
+Bit budgets follow the HomomorphicEncryption.org security standard (Albrecht et al., 2018,
+Table 1, classical 128-bit security, ternary secret): the total coefficient-modulus size of a
+ring of degree N may not exceed ``MAX_MODULUS_BITS_128[N]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedfm.errors import CryptoParameterError
+
+MAX_MODULUS_BITS_128: dict[int, int] = {
+    1024: 27,
+    2048: 54,
+    4096: 109,
+    8192: 218,
+    16384: 438,
+    32768: 881,
+}
+
+
+@dataclass(frozen=True)
+class CkksParameters:
+    """A CKKS parameter set: ring degree, coefficient-modulus chain and scale."""
+
+    poly_modulus_degree: int
+    coeff_mod_bit_sizes: tuple[int, ...]
+    scale_bits: int
+
+    def __post_init__(self) -> None:
+        if self.poly_modulus_degree not in MAX_MODULUS_BITS_128:
+            raise CryptoParameterError(
+                f"poly_modulus_degree must be one of {sorted(MAX_MODULUS_BITS_128)}, "
+                f"got {self.poly_modulus_degree}"
+            )
+        if len(self.coeff_mod_bit_sizes) < 2:
+            raise CryptoParameterError("the coefficient-modulus chain needs at least two primes")
+
+    @property
+    def slots(self) -> int:
+        """Values one ciphertext packs."""
+        return self.poly_modulus_degree // 2
+
+    @property
+    def depth(self) -> int:
+        """Multiplications (rescales) a fresh ciphertext supports: primes between the first/last."""
+        return len(self.coeff_mod_bit_sizes) - 2
+
+    @property
+    def modulus_bits(self) -> int:
+        return sum(self.coeff_mod_bit_sizes)
+
+    @property
+    def secure_128(self) -> bool:
+        return self.modulus_bits <= MAX_MODULUS_BITS_128[self.poly_modulus_degree]
+
+    @property
+    def ciphertext_bytes(self) -> int:
+        """Size of a fresh ciphertext: two polynomials of N 64-bit words per data prime."""
+        return 2 * self.poly_modulus_degree * 8 * (len(self.coeff_mod_bit_sizes) - 1)
+
+    def ciphertexts_for(self, values: int) -> int:
+        """Ciphertexts needed to pack ``values`` numbers."""
+        return -(-values // self.slots)
+
+    def check_secure(self) -> None:
+        """Raise :class:`CryptoParameterError` unless the set meets 128-bit security."""
+        if not self.secure_128:
+            raise CryptoParameterError(
+                f"CKKS parameters with N={self.poly_modulus_degree} and a {self.modulus_bits}-bit "
+                f"modulus are below 128-bit security (at most "
+                f"{MAX_MODULUS_BITS_128[self.poly_modulus_degree]} bits allowed)"
+            )
+
+
+# HELIX's practice (spec 000, Sec. 5.2): N = 8192, [60, 40, 40, 60], scale 2^40: depth 2.
+CKKS_8192 = CkksParameters(8192, (60, 40, 40, 60), 40)
+# N = 16384 with seven 40-bit levels between 60-bit primes (380 bits <= 438): depth 7.
+CKKS_16384 = CkksParameters(16384, (60, 40, 40, 40, 40, 40, 40, 40, 60), 40)

@@ -1,0 +1,172 @@
+"""The ``simulate`` backend: the encrypted flow with plaintext values (Concrete ML's ``simulate``).
+
+Values are not encrypted: this backend exists for speed and for checking the protocol. It keeps
+everything else of the real flow: a batch is bound to the key of the data owner who made it
+(decrypting or loading it under another key fails), the server's evaluator never holds anything
+that decrypts, the model runs the same FHE-friendly polynomials, and every batch reports the
+bytes it would take as CKKS ciphertexts under :data:`~fedfm.crypto.params.CKKS_8192` with the
+packing of one ciphertext per feature (the other axes in the slots).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedfm.crypto.backend import CryptoBackend, EncryptedBatch, Evaluator, KeyOwner
+from fedfm.crypto.params import CKKS_8192, CkksParameters
+from fedfm.errors import CryptoParameterError, ProtocolError
+from fedfm.models.fhe_vit import FheViT
+
+NAME = "simulate"
+_KEY_BYTES = 32
+
+
+def _key_id(secret: bytes) -> bytes:
+    """Public fingerprint of a secret key: what binds batches to their owner's key."""
+    return hashlib.sha256(b"fedfm-simulate-key" + secret).digest()[:16]
+
+
+@dataclass(frozen=True)
+class SimulatedBatch(EncryptedBatch):
+    """Plaintext values standing in for ciphertexts under the key ``key_id``."""
+
+    values: np.ndarray
+    key_id: bytes
+    params: CkksParameters = CKKS_8192
+    backend: str = NAME
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        return tuple(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        features = self.values.shape[-1] if self.values.ndim > 1 else 1
+        per_feature = self.values.size // max(features, 1)
+        return features * self.params.ciphertexts_for(per_feature) * self.params.ciphertext_bytes
+
+    def to_payload(self) -> dict[str, np.ndarray]:
+        return {
+            "values": np.ascontiguousarray(self.values, dtype=np.float32),
+            "key_id": np.frombuffer(self.key_id, dtype=np.uint8).copy(),
+        }
+
+
+def _from_payload(payload: dict[str, np.ndarray], expected_key: bytes) -> SimulatedBatch:
+    try:
+        values, key_id = payload["values"], bytes(payload["key_id"].astype(np.uint8))
+    except KeyError as error:
+        raise ProtocolError(f"encrypted batch payload lacks {error}") from error
+    if key_id != expected_key:
+        raise CryptoParameterError("batch was encrypted under another data owner's key")
+    return SimulatedBatch(np.asarray(values, dtype=np.float32), key_id)
+
+
+class SimulatedKeyOwner(KeyOwner):
+    """Holds a random secret whose fingerprint marks the batches it encrypts."""
+
+    backend = NAME
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) != _KEY_BYTES:
+            raise CryptoParameterError(f"simulated secret key must be {_KEY_BYTES} bytes")
+        self._secret = secret
+        self.key_id = _key_id(secret)
+
+    def public_context(self) -> bytes:
+        return b"fedfm-simulate-context:" + self.key_id
+
+    def encrypt(self, values: np.ndarray) -> SimulatedBatch:
+        return SimulatedBatch(np.asarray(values, dtype=np.float32).copy(), self.key_id)
+
+    def decrypt(self, batch: EncryptedBatch) -> np.ndarray:
+        if not isinstance(batch, SimulatedBatch) or batch.key_id != self.key_id:
+            raise CryptoParameterError("cannot decrypt: batch is not under this owner's key")
+        return batch.values.copy()
+
+    def load(self, payload: dict[str, np.ndarray]) -> SimulatedBatch:
+        return _from_payload(payload, self.key_id)
+
+    def secret_state(self) -> dict[str, np.ndarray]:
+        return {"secret": np.frombuffer(self._secret, dtype=np.uint8).copy()}
+
+
+class SimulatedEvaluator(Evaluator):
+    """Computes on batches of one key; has no ``decrypt`` and no secret."""
+
+    backend = NAME
+
+    def __init__(self, public_context: bytes) -> None:
+        prefix = b"fedfm-simulate-context:"
+        if not public_context.startswith(prefix) or len(public_context) != len(prefix) + 16:
+            raise CryptoParameterError("not a simulate-backend public context")
+        self.key_id = public_context[len(prefix) :]
+
+    def _check(self, batch: EncryptedBatch) -> SimulatedBatch:
+        if not isinstance(batch, SimulatedBatch) or batch.key_id != self.key_id:
+            raise CryptoParameterError("batch is not under this evaluator's key")
+        return batch
+
+    def _wrap(self, values: np.ndarray | torch.Tensor) -> SimulatedBatch:
+        if isinstance(values, torch.Tensor):
+            values = values.detach().numpy()
+        return SimulatedBatch(np.asarray(values, dtype=np.float32), self.key_id)
+
+    def load(self, payload: dict[str, np.ndarray]) -> SimulatedBatch:
+        return _from_payload(payload, self.key_id)
+
+    def take(self, batch: EncryptedBatch, indices: np.ndarray) -> SimulatedBatch:
+        return self._wrap(self._check(batch).values[np.asarray(indices)])
+
+    @torch.no_grad()
+    def embed(self, model: FheViT, images: EncryptedBatch) -> SimulatedBatch:
+        return self._wrap(model.embed(torch.from_numpy(self._check(images).values)))
+
+    @torch.no_grad()
+    def evaluate_block(self, model: FheViT, index: int, hidden: EncryptedBatch) -> SimulatedBatch:
+        return self._wrap(model.block(index, torch.from_numpy(self._check(hidden).values)))
+
+    def cross_entropy(
+        self,
+        probabilities: EncryptedBatch,
+        log_probabilities: EncryptedBatch,
+        labels: EncryptedBatch,
+    ) -> tuple[SimulatedBatch, SimulatedBatch]:
+        p = self._check(probabilities).values
+        log_p = self._check(log_probabilities).values
+        y = self._check(labels).values
+        if not p.shape == log_p.shape == y.shape or p.ndim != 2:
+            raise ProtocolError(
+                f"cross-entropy needs three (n, C) batches of one shape, got {p.shape}, "
+                f"{log_p.shape}, {y.shape}"
+            )
+        count = p.shape[0]
+        loss = -(y * log_p).sum(axis=1).mean(keepdims=True)
+        return self._wrap(loss), self._wrap((p - y) / count)
+
+
+class SimulateBackend(CryptoBackend):
+    """Plaintext stand-in with the real flow; logs and results always name it."""
+
+    name = NAME
+
+    def create_key_owner(self, *, seed: int | None = None) -> SimulatedKeyOwner:
+        if seed is None:
+            secret = secrets.token_bytes(_KEY_BYTES)
+        else:
+            secret = hashlib.sha256(f"fedfm-simulate-seed:{seed}".encode()).digest()
+        return SimulatedKeyOwner(secret)
+
+    def restore_key_owner(self, state: dict[str, np.ndarray]) -> SimulatedKeyOwner:
+        try:
+            return SimulatedKeyOwner(bytes(state["secret"].astype(np.uint8)))
+        except KeyError as error:
+            raise CryptoParameterError("key owner state lacks the secret key") from error
+
+    def create_evaluator(self, public_context: bytes) -> SimulatedEvaluator:
+        return SimulatedEvaluator(public_context)

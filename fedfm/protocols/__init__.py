@@ -1,0 +1,1 @@
+"""Protocols written as roles exchanging envelopes, independent of Flower's app layer."""

@@ -1,0 +1,261 @@
+"""The round loop of double-blind adaptation over any :class:`~fedfm.protocols.transport.Transport`.
+
+The same loop runs in-process (tests, benchmarks) and in a Flower ServerApp: setup once, then per
+round ``L + 1`` round trips to train (every client's messages go out together), aggregation
+through an :class:`Aggregator`, and ``L`` round trips to evaluate. Clients that fail or time out
+are logged and leave the round; the round goes on while at least ``min_clients`` answer. After
+every round the global adapter and head are saved; a run started again with the same settings
+resumes after the last saved round.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedfm.errors import CheckpointError, FedfmError, ProtocolError
+from fedfm.protocols.double_blind.server import (
+    ClientUpdate,
+    DoubleBlindServer,
+    EvaluationResult,
+    balanced_accuracy,
+)
+from fedfm.protocols.transport import Envelope, Failure, Transport
+
+
+class Aggregator(Protocol):
+    """Combines the clients' updates of a round into new global arrays (a strategy's job)."""
+
+    def aggregate(
+        self, server_round: int, global_arrays: dict[str, np.ndarray], updates: list[ClientUpdate]
+    ) -> dict[str, np.ndarray]: ...
+
+
+class WeightedAverage:
+    """FedAvg's weighted mean, ``alpha_k = N_k / sum_j N_j`` (Eq. 7)."""
+
+    def aggregate(
+        self, server_round: int, global_arrays: dict[str, np.ndarray], updates: list[ClientUpdate]
+    ) -> dict[str, np.ndarray]:
+        total = sum(update.num_examples for update in updates)
+        return {
+            name: sum(u.arrays[name] * (u.num_examples / total) for u in updates).astype(
+                global_arrays[name].dtype
+            )
+            for name in global_arrays
+        }
+
+
+@dataclass
+class RoundRecord:
+    """What one round produced (also one line of the run's history)."""
+
+    round: int
+    train_loss: float
+    balanced_accuracy: float
+    accuracy: float
+    clients_trained: int
+    clients_evaluated: int
+    failures: list[str]
+    seconds: float
+    round_trips: int
+
+
+@dataclass
+class RunState:
+    """The driver's resumable state."""
+
+    round: int = 0
+    global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    history: list[RoundRecord] = field(default_factory=list)
+
+
+def _exchange(
+    server: DoubleBlindServer,
+    transport: Transport,
+    requests: list[Envelope],
+    *,
+    timeout: float | None,
+    failures: list[str],
+    log: Callable[[str], None],
+) -> tuple[list[ClientUpdate | EvaluationResult], int]:
+    """Send requests and keep answering replies until every client reached a result or failed."""
+    results: list[ClientUpdate | EvaluationResult] = []
+    trips = 0
+    while requests:
+        replies = transport.send_and_receive(requests, timeout=timeout)
+        trips += 1
+        answered = set()
+        next_requests: list[Envelope] = []
+        for reply in replies:
+            answered.add(reply.node_id)
+            if isinstance(reply, Failure):
+                failures.append(f"node {reply.node_id}: {reply.reason}")
+                log(f"[fedfm] node {reply.node_id} left the round: {reply.reason}")
+                server.abandon(reply.node_id)
+                continue
+            try:
+                outcome = server.on_reply(reply)
+            except FedfmError as error:
+                failures.append(f"node {reply.node_id}: {error}")
+                log(f"[fedfm] node {reply.node_id} left the round: {error}")
+                server.abandon(reply.node_id)
+                continue
+            if isinstance(outcome, Envelope):
+                next_requests.append(outcome)
+            else:
+                results.append(outcome)
+        for request in requests:
+            if request.node_id not in answered:
+                failures.append(f"node {request.node_id}: no reply")
+                log(f"[fedfm] node {request.node_id} left the round: no reply")
+                server.abandon(request.node_id)
+        requests = next_requests
+    return results, trips
+
+
+def save_state(path: Path, state: RunState, identity: dict[str, Any]) -> None:
+    """Write the global arrays (npz) and the history (JSON) atomically."""
+    path.mkdir(parents=True, exist_ok=True)
+    arrays_tmp = path / "global.partial.npz"
+    np.savez(arrays_tmp, **state.global_arrays)
+    meta_tmp = path / "state.partial.json"
+    meta_tmp.write_text(
+        json.dumps(
+            {
+                "identity": identity,
+                "round": state.round,
+                "history": [asdict(record) for record in state.history],
+            },
+            indent=2,
+        )
+    )
+    arrays_tmp.replace(path / "global.npz")
+    meta_tmp.replace(path / "state.json")
+
+
+def load_state(path: Path, identity: dict[str, Any]) -> RunState | None:
+    """The saved state of a run with the same identity, ``None`` if there is none."""
+    meta_path, arrays_path = path / "state.json", path / "global.npz"
+    if not meta_path.exists():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        with np.load(arrays_path) as saved:
+            arrays = {name: saved[name] for name in saved.files}
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"saved run state in {path} is unreadable: {error}") from error
+    if meta.get("identity") != identity:
+        raise CheckpointError(
+            f"{path} holds a run with other settings; use another checkpoint folder or remove it"
+        )
+    history = [RoundRecord(**record) for record in meta["history"]]
+    return RunState(round=int(meta["round"]), global_arrays=arrays, history=history)
+
+
+def run_double_blind(
+    server: DoubleBlindServer,
+    transport: Transport,
+    node_ids: list[int],
+    *,
+    aggregator: Aggregator | None = None,
+    checkpoint_dir: Path | None = None,
+    identity: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    min_clients: int = 1,
+    log: Callable[[str], None] = print,
+) -> list[RoundRecord]:
+    """Run setup and all rounds; return the history (one record per round)."""
+    aggregator = aggregator or WeightedAverage()
+    config = server.config
+    identity = identity or {"config": config.to_config()}
+    log(
+        f"[fedfm] double-blind adaptation: backend={config.backend}, {len(node_ids)} clients, "
+        f"{config.rounds} rounds, {server.num_blocks} blocks, batch {config.batch_size} x "
+        f"{config.batches_per_round}"
+    )
+    failures: list[str] = []
+    setup = transport.send_and_receive(
+        [server.setup_request(node) for node in node_ids], timeout=timeout
+    )
+    for reply in setup:
+        if isinstance(reply, Failure):
+            log(f"[fedfm] node {reply.node_id} failed setup: {reply.reason}")
+            continue
+        try:
+            server.on_setup(reply)
+        except FedfmError as error:
+            log(f"[fedfm] node {reply.node_id} failed setup: {error}")
+    active = server.ordered_nodes()
+    if len(active) < min_clients:
+        raise ProtocolError(f"only {len(active)} clients completed setup, need {min_clients}")
+
+    state = load_state(checkpoint_dir, identity) if checkpoint_dir else None
+    if state is not None:
+        log(f"[fedfm] resuming after round {state.round} from {checkpoint_dir}")
+    else:
+        dim = server.sessions[active[0]].train_inputs.shape[-1]
+        state = RunState(global_arrays=server.initial_arrays(dim))
+
+    for server_round in range(state.round + 1, config.rounds + 1):
+        started = time.perf_counter()
+        failures = []
+        requests = [
+            request
+            for node in active
+            if (request := server.start("train", node, server_round, state.global_arrays))
+        ]
+        updates, train_trips = _exchange(
+            server, transport, requests, timeout=timeout, failures=failures, log=log
+        )
+        updates = [u for u in updates if isinstance(u, ClientUpdate)]
+        if len(updates) < min_clients:
+            raise ProtocolError(
+                f"round {server_round}: {len(updates)} clients finished training, need "
+                f"{min_clients}; failures: {'; '.join(failures) or 'none'}"
+            )
+        state.global_arrays = aggregator.aggregate(server_round, state.global_arrays, updates)
+        requests = [
+            request
+            for node in active
+            if (request := server.start("evaluate", node, server_round, state.global_arrays))
+        ]
+        results, eval_trips = _exchange(
+            server, transport, requests, timeout=timeout, failures=failures, log=log
+        )
+        confusion = sum(
+            (r.confusion for r in results if isinstance(r, EvaluationResult)),
+            start=np.zeros((server.num_classes,) * 2, dtype=np.int64),
+        )
+        record = RoundRecord(
+            round=server_round,
+            train_loss=float(
+                sum(u.train_loss * u.num_examples for u in updates)
+                / sum(u.num_examples for u in updates)
+            ),
+            balanced_accuracy=balanced_accuracy(confusion),
+            accuracy=float(np.trace(confusion) / max(confusion.sum(), 1)),
+            clients_trained=len(updates),
+            clients_evaluated=len(results),
+            failures=failures,
+            seconds=time.perf_counter() - started,
+            round_trips=train_trips + eval_trips,
+        )
+        state.history.append(record)
+        state.round = server_round
+        if checkpoint_dir is not None:
+            save_state(checkpoint_dir, state, identity)
+        log(
+            f"[fedfm] round {server_round}/{config.rounds} [{config.backend}]: "
+            f"train loss {record.train_loss:.4f}, balanced accuracy "
+            f"{record.balanced_accuracy:.4f} ({record.clients_trained} trained, "
+            f"{record.clients_evaluated} evaluated, {record.round_trips} round trips, "
+            f"{record.seconds:.1f} s)"
+        )
+    return state.history

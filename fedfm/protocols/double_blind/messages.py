@@ -1,0 +1,150 @@
+"""Typed messages of the double-blind protocol and their envelope encoding.
+
+``query.setup`` (server): the run's client settings.
+    Reply: public context; encrypted train/eval images and one-hot labels.
+``train.block`` / ``evaluate.block`` (server): block ``l``'s permuted encrypted outputs, one per
+    batch; at ``l = 1`` the global adapter and head; at ``l = L`` the relative permutations (and,
+    for evaluation, the encrypted labels permuted to ``pi_{L+1}``).
+    Reply for ``l < L``: the same batches decrypted and re-encrypted. For ``l = L``: in training,
+    encrypted ``softmax`` and ``log_softmax`` of the logits; in evaluation, a confusion matrix.
+``train.loss`` (server): encrypted mean cross-entropy and logit gradient per batch.
+    Reply: updated adapter and head, number of examples, train loss.
+
+Encrypted batches are carried as their payload arrays under ``<name>.<index>.<field>`` keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedfm.crypto.backend import EncryptedBatch
+from fedfm.errors import ProtocolError
+from fedfm.protocols.transport import ConfigValue, Envelope
+
+Loader = Callable[[dict[str, np.ndarray]], EncryptedBatch]
+
+
+def pack_batches(name: str, batches: list[EncryptedBatch]) -> dict[str, np.ndarray]:
+    arrays = {}
+    for index, batch in enumerate(batches):
+        for key, value in batch.to_payload().items():
+            arrays[f"{name}.{index}.{key}"] = value
+    return arrays
+
+
+def unpack_batches(envelope: Envelope, name: str, count: int, load: Loader) -> list[EncryptedBatch]:
+    batches = []
+    for index in range(count):
+        prefix = f"{name}.{index}."
+        payload = {
+            key[len(prefix) :]: value
+            for key, value in envelope.arrays.items()
+            if key.startswith(prefix)
+        }
+        if not payload:
+            raise ProtocolError(f"{envelope.message_type} lacks {name} batch {index}")
+        batches.append(load(payload))
+    return batches
+
+
+def pack_arrays(name: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {f"{name}.{key}": value for key, value in arrays.items()}
+
+
+def unpack_arrays(envelope: Envelope, name: str) -> dict[str, np.ndarray]:
+    prefix = f"{name}."
+    return {
+        key[len(prefix) :]: value
+        for key, value in envelope.arrays.items()
+        if key.startswith(prefix)
+    }
+
+
+def require_config(envelope: Envelope, key: str, kind: type) -> ConfigValue:
+    """A config value of the given type, or a :class:`ProtocolError` naming what is wrong."""
+    value = envelope.config.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolError(
+            f"{envelope.message_type} needs config {key!r} of type {kind.__name__}, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """Server to client: block ``block`` (1-based) of ``num_blocks``, permuted, per batch."""
+
+    message_type: str
+    node_id: int
+    round: int
+    block: int
+    num_blocks: int
+    batches: list[EncryptedBatch]
+    global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    wrap: list[np.ndarray] = field(default_factory=list)
+    steps: list[np.ndarray] = field(default_factory=list)
+    labels: list[EncryptedBatch] = field(default_factory=list)
+
+    def to_envelope(self) -> Envelope:
+        arrays = {
+            **pack_batches("batch", self.batches),
+            **pack_arrays("global", self.global_arrays),
+            **pack_batches("labels", self.labels),
+        }
+        for index, (wrap, steps) in enumerate(zip(self.wrap, self.steps, strict=True)):
+            arrays[f"wrap.{index}"] = wrap.astype(np.int64)
+            arrays[f"steps.{index}"] = steps.astype(np.int64)
+        config = {
+            "block": self.block,
+            "num_blocks": self.num_blocks,
+            "num_batches": len(self.batches),
+            "has_labels": bool(self.labels),
+        }
+        return Envelope(self.message_type, self.node_id, self.round, arrays, config)
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope, load: Loader) -> BlockRequest:
+        block = int(require_config(envelope, "block", int))
+        num_blocks = int(require_config(envelope, "num_blocks", int))
+        count = int(require_config(envelope, "num_batches", int))
+        if not 1 <= block <= num_blocks or count < 1:
+            raise ProtocolError(
+                f"{envelope.message_type}: block {block} of {num_blocks} with {count} batches"
+            )
+        last = block == num_blocks
+        wrap = [envelope.arrays.get(f"wrap.{i}") for i in range(count)] if last else []
+        steps = [envelope.arrays.get(f"steps.{i}") for i in range(count)] if last else []
+        if any(value is None for value in wrap + steps):
+            raise ProtocolError(f"{envelope.message_type}: the last block lacks permutations")
+        has_labels = bool(envelope.config.get("has_labels", False))
+        return cls(
+            message_type=envelope.message_type,
+            node_id=envelope.node_id,
+            round=envelope.round,
+            block=block,
+            num_blocks=num_blocks,
+            batches=unpack_batches(envelope, "batch", count, load),
+            global_arrays=unpack_arrays(envelope, "global"),
+            wrap=wrap,  # type: ignore[arg-type]
+            steps=steps,  # type: ignore[arg-type]
+            labels=unpack_batches(envelope, "labels", count, load) if has_labels else [],
+        )
+
+
+def batch_reply(
+    request: Envelope, batches: dict[str, list[EncryptedBatch]], **config: ConfigValue
+) -> Envelope:
+    """A client's reply carrying encrypted batches under the given names."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, items in batches.items():
+        arrays.update(pack_batches(name, items))
+    return Envelope(
+        request.message_type,
+        request.node_id,
+        request.round,
+        arrays,
+        {"num_batches": max((len(v) for v in batches.values()), default=0), **config},
+    )

@@ -1,0 +1,335 @@
+"""The learning service provider's role: encrypted block-by-block inference with permutations.
+
+The server holds the FHE-friendly model and, per client, an :class:`~fedfm.crypto.Evaluator`
+built from that client's public context, the client's encrypted uploads and, while a round is in
+flight, the batches' indices and permutations. It never holds a secret key.
+
+Per round and client (spec ``001`` §3.2-3.3): draw ``batches_per_round`` batches of ``n``
+samples; for ``l = 1 .. L`` evaluate block ``l`` on each encrypted batch, re-order it into a
+fresh permutation ``pi_l`` and send it; the client re-encrypts and returns it. With the last
+block go the relative permutations. The client answers with encrypted ``softmax`` and
+``log_softmax`` of its logits (rows in order ``pi_{L+1}``); the server permutes its encrypted
+one-hot labels into the same order and returns the encrypted mean cross-entropy and logit
+gradient. What the server sees: ciphertexts, their sizes, the number of samples per client and,
+after aggregation, the global adapter and head (secure aggregation will hide individual updates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedfm.crypto.backend import CryptoBackend, EncryptedBatch, Evaluator
+from fedfm.errors import ProtocolError
+from fedfm.models.fhe_vit import FheViT
+from fedfm.protocols.double_blind.adapter import SideAdapterHead
+from fedfm.protocols.double_blind.config import (
+    EVALUATE_BLOCK,
+    SETUP,
+    TRAIN_BLOCK,
+    TRAIN_LOSS,
+    DoubleBlindConfig,
+)
+from fedfm.protocols.double_blind.messages import (
+    BlockRequest,
+    pack_batches,
+    require_config,
+    unpack_arrays,
+    unpack_batches,
+)
+from fedfm.protocols.double_blind.permutation import (
+    RoundPermutations,
+    draw_round_permutations,
+    relative,
+)
+from fedfm.protocols.transport import Envelope
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """A client's trained adapter and head after a round (what aggregation combines)."""
+
+    node_id: int
+    arrays: dict[str, np.ndarray]
+    num_examples: int
+    train_loss: float
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """A client's confusion matrix on its held-out data (rows: truth, columns: prediction)."""
+
+    node_id: int
+    confusion: np.ndarray
+
+
+@dataclass
+class _InFlight:
+    kind: str
+    round: int
+    block: int
+    indices: list[np.ndarray]
+    permutations: list[RoundPermutations]
+    current: list[EncryptedBatch]
+
+
+@dataclass
+class ClientSession:
+    """What the server keeps about one client: public evaluator and encrypted data."""
+
+    evaluator: Evaluator
+    train_inputs: EncryptedBatch
+    train_labels: EncryptedBatch
+    eval_inputs: EncryptedBatch
+    eval_labels: EncryptedBatch
+    num_train: int
+    num_eval: int
+    order_key: int = -1
+    in_flight: _InFlight | None = field(default=None)
+
+
+def balanced_accuracy(confusion: np.ndarray) -> float:
+    """Mean per-class recall over the classes that occur (the paper's metric)."""
+    support = confusion.sum(axis=1)
+    present = support > 0
+    if not present.any():
+        return float("nan")
+    return float(np.mean(np.diag(confusion)[present] / support[present]))
+
+
+class DoubleBlindServer:
+    """Drives the server side of each client's round; pure logic, no transport."""
+
+    def __init__(
+        self,
+        model: FheViT,
+        config: DoubleBlindConfig,
+        backend: CryptoBackend,
+        *,
+        num_classes: int,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.backend = backend
+        self.num_classes = num_classes
+        self.log = log
+        self.rng = np.random.default_rng(config.seed)
+        self.sessions: dict[int, ClientSession] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.model.num_blocks
+
+    def ordered_nodes(self) -> list[int]:
+        """Registered clients in a transport-independent order (partition id when known).
+
+        The server's random draws follow this order, so an in-process run and a Flower run with
+        the same seed and partitions draw the same batches and permutations.
+        """
+        return sorted(self.sessions, key=lambda node: (self.sessions[node].order_key, node))
+
+    # -- setup -----------------------------------------------------------------------------------
+    def setup_request(self, node_id: int) -> Envelope:
+        return Envelope(SETUP, node_id, 0, {}, self.config.client_settings())
+
+    def on_setup(self, reply: Envelope) -> None:
+        """Register a client from its uploads; the embedding is applied once, here (§3.2)."""
+        context = require_config(reply, "public_context", bytes)
+        backend = require_config(reply, "backend", str)
+        if backend != self.backend.name:
+            raise ProtocolError(f"client uses backend {backend!r}, server {self.backend.name!r}")
+        classes = int(require_config(reply, "num_classes", int))
+        if classes != self.num_classes:
+            raise ProtocolError(f"client has {classes} classes, the task has {self.num_classes}")
+        evaluator = self.backend.create_evaluator(context)
+        uploads = {
+            name: unpack_batches(reply, name, 1, evaluator.load)[0]
+            for name in ("train_images", "train_labels", "eval_images", "eval_labels")
+        }
+        num_train = int(require_config(reply, "num_train", int))
+        num_eval = int(require_config(reply, "num_eval", int))
+        for name, count in (("train", num_train), ("eval", num_eval)):
+            images, labels = uploads[f"{name}_images"], uploads[f"{name}_labels"]
+            if images.shape[0] != count or labels.shape != (count, self.num_classes):
+                raise ProtocolError(
+                    f"{name} upload has images {images.shape} and labels {labels.shape}, "
+                    f"expected {count} samples and {self.num_classes} classes"
+                )
+        self.sessions[reply.node_id] = ClientSession(
+            evaluator=evaluator,
+            train_inputs=evaluator.embed(self.model, uploads["train_images"]),
+            train_labels=uploads["train_labels"],
+            eval_inputs=evaluator.embed(self.model, uploads["eval_images"]),
+            eval_labels=uploads["eval_labels"],
+            num_train=num_train,
+            num_eval=num_eval,
+            order_key=int(reply.config.get("partition_id", -1)),
+        )
+
+    def initial_arrays(self, dim: int) -> dict[str, np.ndarray]:
+        """The round-1 global adapter and head, initialised from the run's seed."""
+        generator = torch.Generator().manual_seed(int(self.rng.integers(2**31)))
+        with torch.random.fork_rng():
+            torch.manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
+            adapter = SideAdapterHead(
+                num_blocks=self.num_blocks,
+                dim=dim,
+                num_classes=self.num_classes,
+                rank=self.config.rank,
+                alpha=self.config.alpha,
+            )
+        return adapter.get_arrays()
+
+    # -- rounds ----------------------------------------------------------------------------------
+    def _batches(self, kind: str, session: ClientSession) -> list[np.ndarray] | None:
+        n = self.config.batch_size
+        total = session.num_train if kind == "train" else session.num_eval
+        if total < n:
+            return None
+        if kind == "train":
+            count = min(self.config.batches_per_round, total // n)
+            chosen = self.rng.choice(total, size=count * n, replace=False)
+            return list(chosen.reshape(count, n))
+        # every held-out sample once, in batches of n .. 2n - 1 (all at least the minimum)
+        return list(np.array_split(np.arange(total), total // n))
+
+    def start(
+        self, kind: str, node_id: int, server_round: int, global_arrays: dict[str, np.ndarray]
+    ) -> Envelope | None:
+        """Block 1 of a train or evaluate round; ``None`` if the client has too few samples."""
+        session = self._session(node_id)
+        indices = self._batches(kind, session)
+        if indices is None:
+            self.log(
+                f"[fedfm] node {node_id}: fewer {kind} samples than the batch size "
+                f"{self.config.batch_size}; it sits out this {kind} round"
+            )
+            session.in_flight = None
+            return None
+        inputs = session.train_inputs if kind == "train" else session.eval_inputs
+        permutations = [
+            draw_round_permutations(
+                self.num_blocks, len(batch), self.rng, permute=self.config.permute
+            )
+            for batch in indices
+        ]
+        current = [session.evaluator.take(inputs, batch) for batch in indices]
+        session.in_flight = _InFlight(kind, server_round, 0, indices, permutations, current)
+        return self._next_block(node_id, session, global_arrays)
+
+    def _next_block(
+        self, node_id: int, session: ClientSession, global_arrays: dict[str, np.ndarray]
+    ) -> Envelope:
+        flight = session.in_flight
+        assert flight is not None  # callers check; an internal invariant
+        block = flight.block + 1
+        outputs = []
+        for batch, perms in zip(flight.current, flight.permutations, strict=True):
+            evaluated = session.evaluator.evaluate_block(self.model, block - 1, batch)
+            previous = (
+                np.arange(len(perms.after_block(1))) if block == 1 else perms.after_block(block - 1)
+            )
+            outputs.append(
+                session.evaluator.take(evaluated, relative(previous, perms.after_block(block)))
+            )
+        flight.block, flight.current = block, outputs
+        last = block == self.num_blocks
+        views = [perms.client_view() for perms in flight.permutations] if last else []
+        labels = []
+        if last and flight.kind == "evaluate":
+            labels = [
+                session.evaluator.take(session.eval_labels, batch[perms.after_block(block + 1)])
+                for batch, perms in zip(flight.indices, flight.permutations, strict=True)
+            ]
+        request = BlockRequest(
+            message_type=TRAIN_BLOCK if flight.kind == "train" else EVALUATE_BLOCK,
+            node_id=node_id,
+            round=flight.round,
+            block=block,
+            num_blocks=self.num_blocks,
+            batches=outputs,
+            global_arrays=global_arrays if block == 1 else {},
+            wrap=[view["wrap"] for view in views],
+            steps=[view["steps"] for view in views],
+            labels=labels,
+        )
+        return request.to_envelope()
+
+    def on_reply(self, reply: Envelope) -> Envelope | ClientUpdate | EvaluationResult:
+        """Consume a client's reply: the next request, or the client's result for the round."""
+        session = self._session(reply.node_id)
+        flight = session.in_flight
+        if flight is None or reply.round != flight.round:
+            raise ProtocolError(
+                f"unexpected {reply.message_type} reply for round {reply.round} from node "
+                f"{reply.node_id}"
+            )
+        if reply.message_type == TRAIN_LOSS:
+            return self._update(reply, session)
+        expected = TRAIN_BLOCK if flight.kind == "train" else EVALUATE_BLOCK
+        if reply.message_type != expected:
+            raise ProtocolError(f"expected a {expected} reply, got {reply.message_type}")
+        count = len(flight.indices)
+        if flight.block < self.num_blocks:
+            fresh = unpack_batches(reply, "batch", count, session.evaluator.load)
+            for old, new in zip(flight.current, fresh, strict=True):
+                if old.shape != new.shape:
+                    raise ProtocolError(
+                        f"re-encrypted batch has shape {new.shape}, sent {old.shape}"
+                    )
+            flight.current = fresh
+            return self._next_block(reply.node_id, session, {})
+        if flight.kind == "evaluate":
+            confusion = reply.arrays.get("confusion")
+            if confusion is None or confusion.shape != (self.num_classes,) * 2:
+                raise ProtocolError("evaluation reply lacks a confusion matrix of the task's shape")
+            session.in_flight = None
+            return EvaluationResult(reply.node_id, confusion.astype(np.int64))
+        probs = unpack_batches(reply, "probs", count, session.evaluator.load)
+        log_probs = unpack_batches(reply, "log_probs", count, session.evaluator.load)
+        losses, gradients = [], []
+        for batch, perms, p, log_p in zip(
+            flight.indices, flight.permutations, probs, log_probs, strict=True
+        ):
+            expected_shape = (len(batch), self.num_classes)
+            if p.shape != expected_shape or log_p.shape != expected_shape:
+                raise ProtocolError(f"predictions have shape {p.shape}, expected {expected_shape}")
+            labels = session.evaluator.take(
+                session.train_labels, batch[perms.after_block(self.num_blocks + 1)]
+            )
+            loss, gradient = session.evaluator.cross_entropy(p, log_p, labels)
+            losses.append(loss)
+            gradients.append(gradient)
+        flight.block += 1  # the loss step
+        arrays = {**pack_batches("loss", losses), **pack_batches("grad", gradients)}
+        return Envelope(TRAIN_LOSS, reply.node_id, flight.round, arrays, {"num_batches": count})
+
+    def _update(self, reply: Envelope, session: ClientSession) -> ClientUpdate:
+        flight = session.in_flight
+        if flight is None or flight.block != self.num_blocks + 1:
+            raise ProtocolError(f"train.loss reply from node {reply.node_id} before its loss step")
+        session.in_flight = None
+        arrays = unpack_arrays(reply, "params")
+        if not arrays:
+            raise ProtocolError(f"update from node {reply.node_id} carries no parameters")
+        return ClientUpdate(
+            reply.node_id,
+            arrays,
+            int(require_config(reply, "num_examples", int)),
+            float(require_config(reply, "train_loss", float)),
+        )
+
+    def abandon(self, node_id: int) -> None:
+        """Forget a client's in-flight round (it failed or timed out); its uploads stay."""
+        if node_id in self.sessions:
+            self.sessions[node_id].in_flight = None
+
+    def _session(self, node_id: int) -> ClientSession:
+        try:
+            return self.sessions[node_id]
+        except KeyError:
+            raise ProtocolError(f"node {node_id} has not completed setup") from None
