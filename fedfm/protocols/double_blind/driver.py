@@ -74,6 +74,7 @@ class RunState:
     round: int = 0
     global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     history: list[RoundRecord] = field(default_factory=list)
+    rng_state: dict[str, Any] = field(default_factory=dict)
 
 
 def _exchange(
@@ -132,6 +133,7 @@ def save_state(path: Path, state: RunState, identity: dict[str, Any]) -> None:
                 "identity": identity,
                 "round": state.round,
                 "history": [asdict(record) for record in state.history],
+                "rng_state": state.rng_state,
             },
             indent=2,
         )
@@ -156,7 +158,12 @@ def load_state(path: Path, identity: dict[str, Any]) -> RunState | None:
             f"{path} holds a run with other settings; use another checkpoint folder or remove it"
         )
     history = [RoundRecord(**record) for record in meta["history"]]
-    return RunState(round=int(meta["round"]), global_arrays=arrays, history=history)
+    return RunState(
+        round=int(meta["round"]),
+        global_arrays=arrays,
+        history=history,
+        rng_state=meta.get("rng_state", {}),
+    )
 
 
 def run_double_blind(
@@ -199,6 +206,8 @@ def run_double_blind(
     state = load_state(checkpoint_dir, identity) if checkpoint_dir else None
     if state is not None:
         log(f"[fedfm] resuming after round {state.round} from {checkpoint_dir}")
+        # the server's draws continue where they stopped (the clients' momentum restarts)
+        server.rng.bit_generator.state = state.rng_state
     else:
         dim = server.sessions[active[0]].train_inputs.shape[-1]
         state = RunState(global_arrays=server.initial_arrays(dim))
@@ -249,6 +258,7 @@ def run_double_blind(
         )
         state.history.append(record)
         state.round = server_round
+        state.rng_state = server.rng.bit_generator.state
         if checkpoint_dir is not None:
             save_state(checkpoint_dir, state, identity)
         log(

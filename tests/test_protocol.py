@@ -1,0 +1,337 @@
+"""The double-blind protocol's logic: backend seam, permutations, roles, driver and bad input."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedfm.approx import ApproxConfig, calibrate
+from fedfm.crypto import CKKS_8192, SimulateBackend, get_backend
+from fedfm.crypto.simulate import SimulatedEvaluator, SimulatedKeyOwner
+from fedfm.data import load_splits
+from fedfm.errors import (
+    CheckpointError,
+    ConfigError,
+    CryptoParameterError,
+    DataError,
+    ProtocolError,
+)
+from fedfm.models import ModelSpec, to_fhe_friendly
+from fedfm.protocols.double_blind import (
+    ClientData,
+    ClientState,
+    DoubleBlindClient,
+    DoubleBlindConfig,
+    DoubleBlindServer,
+    SideAdapterHead,
+)
+from fedfm.protocols.double_blind.config import SETUP, TRAIN_BLOCK, TRAIN_LOSS
+from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
+from fedfm.protocols.double_blind.runner import Federation, run_in_process
+from fedfm.protocols.transport import Envelope
+from fedfm.training import PretrainConfig, pretrain
+
+IMAGE = 16
+BACKEND = SimulateBackend()
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return load_splits("digits", image_size=IMAGE, max_samples=240, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(splits):
+    torch.manual_seed(0)
+    teacher = ModelSpec("vit_fedfm_tiny", 10, IMAGE).build()
+    pretrain(
+        teacher, splits.aux.images, splits.aux.labels, PretrainConfig(epochs=5), progress=False
+    )
+    student = to_fhe_friendly(teacher, ApproxConfig())
+    calibrate(student, [splits.aux.images[:64]])
+    return student.eval()
+
+
+def small_config(**changes) -> DoubleBlindConfig:
+    return replace(DoubleBlindConfig(rounds=2, batches_per_round=2, seed=3), **changes)
+
+
+def make_data(splits, count: int = 80) -> ClientData:
+    images, labels = splits.pool.images.numpy(), splits.pool.labels.numpy()
+    return ClientData(
+        train_images=images[:count],
+        train_labels=labels[:count],
+        eval_images=images[count : count + 20],
+        eval_labels=labels[count : count + 20],
+        num_classes=10,
+    )
+
+
+def setup_pair(model, splits, config=None):
+    config = config or small_config()
+    server = DoubleBlindServer(model, config, BACKEND, num_classes=10, log=lambda _: None)
+    client = DoubleBlindClient(make_data(splits), BACKEND, partition_id=0)
+    reply, state = client.handle(server.setup_request(7), ClientState())
+    server.on_setup(reply)
+    return server, client, state
+
+
+# -- backend ----------------------------------------------------------------------------------
+
+
+def test_simulated_batches_are_bound_to_their_owner() -> None:
+    alice, bob = BACKEND.create_key_owner(), BACKEND.create_key_owner()
+    batch = alice.encrypt(np.ones((4, 3), dtype=np.float32))
+    np.testing.assert_array_equal(alice.decrypt(batch), np.ones((4, 3)))
+    with pytest.raises(CryptoParameterError):
+        bob.decrypt(batch)
+    with pytest.raises(CryptoParameterError):
+        bob.load(batch.to_payload())
+    evaluator = BACKEND.create_evaluator(alice.public_context())
+    assert not hasattr(evaluator, "decrypt")
+    with pytest.raises(CryptoParameterError):
+        BACKEND.create_evaluator(bob.public_context()).take(batch, np.arange(2))
+    restored = BACKEND.restore_key_owner(alice.secret_state())
+    np.testing.assert_array_equal(restored.decrypt(batch), alice.decrypt(batch))
+    with pytest.raises(ConfigError, match="unknown crypto backend"):
+        get_backend("paillier")
+
+
+def test_simulated_sizes_are_counted_as_ckks_ciphertexts() -> None:
+    owner = BACKEND.create_key_owner()
+    batch = owner.encrypt(np.zeros((16, 65, 96), dtype=np.float32))
+    # one ciphertext per feature, 16 x 65 = 1040 values per feature fit in one 4096-slot ciphertext
+    assert batch.nbytes == 96 * CKKS_8192.ciphertext_bytes
+    assert CKKS_8192.secure_128 and CKKS_8192.ciphertext_bytes == 2 * 8192 * 8 * 3
+
+
+# -- permutations and the adapter ---------------------------------------------------------------
+
+
+def test_relative_permutations_reorder_and_hide_the_absolute_ones() -> None:
+    rng = np.random.default_rng(0)
+    perms = draw_round_permutations(4, 16, rng)
+    data = rng.normal(size=16)
+    for block in range(1, 5):
+        a, b = perms.after_block(block), perms.after_block(block + 1)
+        np.testing.assert_array_equal(data[a][relative(a, b)], data[b])
+    # Proposition 1: left-composing every pi with any S gives the same client view
+    shift = rng.permutation(16)
+    shifted = type(perms)(tuple(shift[order] for order in perms.orders))
+    for key, value in perms.client_view().items():
+        np.testing.assert_array_equal(shifted.client_view()[key], value)
+
+
+def test_adapter_on_permuted_blocks_equals_unpermuted_computation() -> None:
+    torch.manual_seed(0)
+    adapter = SideAdapterHead(num_blocks=3, dim=8, num_classes=4, rank=2)
+    for up in adapter.up:  # non-zero so that the adapter path matters
+        torch.nn.init.normal_(up.weight)
+    blocks = [torch.randn(16, 5, 8) for _ in range(3)]
+    identity = torch.arange(16)
+    plain = adapter(blocks, identity, torch.stack([identity] * 3))
+    perms = draw_round_permutations(3, 16, np.random.default_rng(1))
+    view = perms.client_view()
+    permuted = [blocks[b - 1][perms.after_block(b)] for b in range(1, 4)]
+    logits = adapter(permuted, torch.from_numpy(view["wrap"]), torch.from_numpy(view["steps"]))
+    torch.testing.assert_close(logits, plain[perms.after_block(4)])
+
+
+# -- roles --------------------------------------------------------------------------------------
+
+
+def test_setup_keeps_secrets_on_the_client(model, splits) -> None:
+    server, _, state = setup_pair(model, splits)
+    secret = bytes(state.group("key")["secret"])
+    session = server.sessions[7]
+    assert isinstance(session.evaluator, SimulatedEvaluator)
+    held = [value for value in vars(session).values()] + [value for value in vars(server).values()]
+    assert not any(isinstance(value, SimulatedKeyOwner) for value in held)
+    assert secret not in session.evaluator.key_id
+    assert "seed" not in server.setup_request(7).config  # the permutation seed stays home
+    assert session.train_inputs.shape == (80, (IMAGE // 4) ** 2 + 1, 96)
+
+
+def test_one_round_between_roles_and_what_the_client_receives(model, splits) -> None:
+    server, client, state = setup_pair(model, splits)
+    arrays = server.initial_arrays(96)
+    request = server.start("train", 7, 1, arrays)
+    drawn = [p for perms in server.sessions[7].in_flight.permutations for p in perms.orders]
+    received_ints = []
+    while True:
+        received_ints += [v for v in request.arrays.values() if v.dtype == np.int64]
+        reply, state = client.handle(request, state)
+        outcome = server.on_reply(reply)
+        if not isinstance(outcome, Envelope):
+            break
+        request = outcome
+    assert outcome.num_examples == 32 and np.isfinite(outcome.train_loss)
+    assert set(outcome.arrays) == set(arrays)
+    # the client got relative permutations only, never one of the server's pi_l
+    assert received_ints
+    for array in received_ints:
+        for row in array.reshape(-1, 16):
+            assert not any(np.array_equal(row, pi) for pi in drawn)
+
+
+def test_messages_out_of_order_are_refused_without_losing_state(model, splits) -> None:
+    server, client, state = setup_pair(model, splits)
+    request = server.start("train", 7, 1, server.initial_arrays(96))
+    _, after_block1 = client.handle(request, state)
+    block2 = server.on_reply(client.handle(request, state)[0])
+    wrong_round = replace(block2, round=5)
+    with pytest.raises(ProtocolError, match="does not follow"):
+        client.handle(wrong_round, after_block1)
+    with pytest.raises(ProtocolError, match="cannot accept"):
+        client.handle(Envelope(TRAIN_LOSS, 7, 1, {}, {}), state)
+    with pytest.raises(ProtocolError, match="cannot accept"):
+        client.handle(Envelope("train.nope", 7, 1, {}, {}), state)
+    with pytest.raises(ProtocolError, match="identifier"):
+        Envelope("train.no-pe", 7, 1)
+    with pytest.raises(ProtocolError, match="'fit' is not"):
+        Envelope("fit", 7, 1)
+    # the refused messages changed nothing: the right block 2 still goes through
+    reply, _ = client.handle(block2, after_block1)
+    assert reply.message_type == TRAIN_BLOCK
+
+
+def test_wrong_shapes_are_refused_by_the_server(model, splits) -> None:
+    server, client, state = setup_pair(model, splits)
+    request = server.start("train", 7, 1, server.initial_arrays(96))
+    reply, _ = client.handle(request, state)
+    truncated = dict(reply.arrays)
+    truncated["batch.0.values"] = truncated["batch.0.values"][:-1]
+    with pytest.raises(ProtocolError, match="shape"):
+        server.on_reply(replace(reply, arrays=truncated))
+    with pytest.raises(ProtocolError, match="has not completed setup"):
+        server.on_reply(replace(reply, node_id=99))
+
+
+def test_bad_client_data_and_settings_are_named(splits) -> None:
+    data = make_data(splits)
+    with pytest.raises(DataError, match="outside 0..9"):
+        replace(data, train_labels=data.train_labels + 10)
+    with pytest.raises(DataError, match="no training samples"):
+        replace(data, train_images=data.train_images[:0], train_labels=data.train_labels[:0])
+    with pytest.raises(ConfigError, match="below the minimum 16"):
+        DoubleBlindConfig(batch_size=8)
+    assert DoubleBlindConfig(batch_size=8, min_batch_size=8).batch_size == 8
+    with pytest.raises(ConfigError, match="rank"):
+        DoubleBlindConfig(rank=-1)
+
+
+def test_setup_reply_with_wrong_class_count_is_refused(model, splits) -> None:
+    server = DoubleBlindServer(model, small_config(), BACKEND, num_classes=10, log=print)
+    client = DoubleBlindClient(replace(make_data(splits), num_classes=12), BACKEND)
+    reply, _ = client.handle(server.setup_request(1), ClientState())
+    with pytest.raises(ProtocolError, match="12 classes"):
+        server.on_setup(reply)
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def test_protocol_update_equals_plaintext_sgd_step(model, splits) -> None:
+    """Permutations, encryption and the split of work change nothing in the mathematics."""
+    server, client, state = setup_pair(model, splits, small_config(momentum=0.0, lr=0.5))
+    initial = server.initial_arrays(96)
+    request = server.start("train", 7, 1, initial)
+    batches = [b.copy() for b in server.sessions[7].in_flight.indices]
+    outcome = request
+    while isinstance(outcome, Envelope):
+        reply, state = client.handle(outcome, state)
+        outcome = server.on_reply(reply)
+
+    adapter = SideAdapterHead(num_blocks=4, dim=96, num_classes=10, rank=8)
+    adapter.set_arrays(initial)
+    images = torch.from_numpy(make_data(splits).train_images)
+    labels = torch.from_numpy(make_data(splits).train_labels)
+    identity = torch.arange(16)
+    losses = []
+    with torch.no_grad():
+        hidden = [model.embed(images[torch.from_numpy(b)]) for b in batches]
+        outputs: list[list[torch.Tensor]] = [[] for _ in batches]
+        for index in range(4):
+            hidden = [model.block(index, h) for h in hidden]
+            for out, h in zip(outputs, hidden, strict=True):
+                out.append(h)
+    for out, batch in zip(outputs, batches, strict=True):
+        logits = adapter(out, identity, torch.stack([identity] * 4))
+        losses.append(torch.nn.functional.cross_entropy(logits, labels[torch.from_numpy(batch)]))
+    torch.stack(losses).mean().backward()
+    for name, parameter in adapter.named_parameters():
+        expected = (parameter - 0.5 * parameter.grad).detach().numpy()
+        np.testing.assert_allclose(outcome.arrays[name], expected, rtol=1e-4, atol=1e-5)
+    assert outcome.train_loss == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+
+
+def test_in_process_run_accounts_round_trips(model, splits) -> None:
+    config = small_config(rounds=3)
+    history, transport = run_in_process(
+        model, splits, config, Federation(num_clients=2), log=lambda _: None
+    )
+    assert [record.round for record in history] == [1, 2, 3]
+    assert all(np.isfinite(record.train_loss) for record in history)
+    assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history)
+    # L + 1 round trips to train and L to evaluate, per round; plus one for setup
+    assert all(record.round_trips == 2 * model.num_blocks + 1 for record in history)
+    assert transport.stats.round_trips == 1 + 3 * (2 * model.num_blocks + 1)
+
+
+def test_a_client_dropping_mid_round_leaves_the_round_to_the_others(model, splits) -> None:
+    def drop(envelope: Envelope) -> bool:
+        return (
+            envelope.node_id == 1
+            and envelope.message_type == TRAIN_BLOCK
+            and (envelope.config.get("block") == 2)
+        )
+
+    lines: list[str] = []
+    history, _ = run_in_process(
+        model,
+        splits,
+        small_config(rounds=1),
+        Federation(num_clients=2),
+        drop=drop,
+        log=lines.append,
+    )
+    assert history[0].clients_trained == 1
+    assert any("node 1" in failure for failure in history[0].failures)
+    assert any("left the round" in line for line in lines)
+
+
+def test_too_few_clients_stops_with_a_clear_error(model, splits) -> None:
+    def drop_all(envelope: Envelope) -> bool:
+        return envelope.message_type != SETUP
+
+    with pytest.raises(ProtocolError, match="0 clients finished training, need 1"):
+        run_in_process(
+            model,
+            splits,
+            small_config(rounds=1),
+            Federation(num_clients=2),
+            drop=drop_all,
+            log=lambda _: None,
+        )
+
+
+def test_runs_resume_after_the_last_saved_round(model, splits, tmp_path: Path) -> None:
+    federation = Federation(num_clients=2)
+    quiet = {"log": lambda _: None}
+    first, _ = run_in_process(
+        model, splits, small_config(rounds=1), federation, checkpoint_dir=tmp_path, **quiet
+    )
+    with pytest.raises(CheckpointError, match="other settings"):
+        run_in_process(
+            model, splits, small_config(rounds=2), federation, checkpoint_dir=tmp_path, **quiet
+        )
+    # the same settings with more rounds is a different identity; resume uses the identical one
+    resumed, transport = run_in_process(
+        model, splits, small_config(rounds=1), federation, checkpoint_dir=tmp_path, **quiet
+    )
+    assert resumed == first
+    assert transport.stats.round_trips == 1  # setup only: nothing left to run
