@@ -213,7 +213,7 @@ def test_wrong_shapes_are_refused_by_the_server(model, splits) -> None:
 
 def test_bad_client_data_and_settings_are_named(splits) -> None:
     data = make_data(splits)
-    with pytest.raises(DataError, match="outside 0..9"):
+    with pytest.raises(DataError, match=r"outside 0\.\.9"):
         replace(data, train_labels=data.train_labels + 10)
     with pytest.raises(DataError, match="no training samples"):
         replace(data, train_images=data.train_images[:0], train_labels=data.train_labels[:0])
