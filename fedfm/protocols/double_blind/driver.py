@@ -121,6 +121,23 @@ def _exchange(
     return results, trips
 
 
+def _phase(
+    server: DoubleBlindServer,
+    kind: str,
+    nodes: list[int],
+    server_round: int,
+    global_arrays: dict[str, np.ndarray],
+    **exchange: Any,
+) -> tuple[list[ClientUpdate | EvaluationResult], int]:
+    """Start a train or evaluate round on every node that has enough data and run it through."""
+    requests = [
+        request
+        for node in nodes
+        if (request := server.start(kind, node, server_round, global_arrays)) is not None
+    ]
+    return _exchange(server, requests=requests, **exchange)
+
+
 def save_state(path: Path, state: RunState, identity: dict[str, Any]) -> None:
     """Write the global arrays (npz) and the history (JSON) atomically."""
     path.mkdir(parents=True, exist_ok=True)
@@ -215,28 +232,19 @@ def run_double_blind(
     for server_round in range(state.round + 1, config.rounds + 1):
         started = time.perf_counter()
         failures = []
-        requests = [
-            request
-            for node in active
-            if (request := server.start("train", node, server_round, state.global_arrays))
-        ]
-        updates, train_trips = _exchange(
-            server, transport, requests, timeout=timeout, failures=failures, log=log
+        phase = {"transport": transport, "timeout": timeout, "failures": failures, "log": log}
+        outcomes, train_trips = _phase(
+            server, "train", active, server_round, state.global_arrays, **phase
         )
-        updates = [u for u in updates if isinstance(u, ClientUpdate)]
+        updates = [u for u in outcomes if isinstance(u, ClientUpdate)]
         if len(updates) < min_clients:
             raise ProtocolError(
                 f"round {server_round}: {len(updates)} clients finished training, need "
                 f"{min_clients}; failures: {'; '.join(failures) or 'none'}"
             )
         state.global_arrays = aggregator.aggregate(server_round, state.global_arrays, updates)
-        requests = [
-            request
-            for node in active
-            if (request := server.start("evaluate", node, server_round, state.global_arrays))
-        ]
-        results, eval_trips = _exchange(
-            server, transport, requests, timeout=timeout, failures=failures, log=log
+        results, eval_trips = _phase(
+            server, "evaluate", active, server_round, state.global_arrays, **phase
         )
         confusion = sum(
             (r.confusion for r in results if isinstance(r, EvaluationResult)),
