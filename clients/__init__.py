@@ -1,5 +1,6 @@
 """fedfm's client side on Flower (installed as ``fedfm_clients``).
 
-ClientApps that adapt the protocol roles in ``fedfm`` to Flower messages. The double-blind
-adaptation ClientApp arrives with the protocol (issue 3); this package is empty until then.
+ClientApps that adapt the protocol roles in ``fedfm`` to Flower messages: ``double_blind`` (the
+data owner's role of double-blind adaptation) and ``codec`` (fedfm envelopes as Flower messages,
+shared with the server side).
 """

@@ -3,6 +3,9 @@
 ``fedfm distill``  the server's offline step: teacher on D_aux, FHE-friendly student, report.
 ``fedfm sweep``    Tables 5/6 style sweeps of the exp degree or the inverse iterations.
 ``fedfm bench``    plaintext latency of the FHE-friendly model relative to the exact model.
+``fedfm adapt``    federated adaptation in one process: ours, linear probing or full fine-tuning.
+``fedfm bench-protocol``    cost per FL round and accuracy of ours vs linear probing vs full FT.
+``fedfm bench-extraction``  model-extraction attacks from a curious client's view (App. C).
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
@@ -28,7 +31,12 @@ def _optional_int(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'exact', got {text!r}") from None
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_run_arguments(parser: argparse.ArgumentParser, *, protocol: bool = False) -> None:
+    """Data, model, approximation and distillation options of the student.
+
+    With ``protocol`` (adaptation commands) ``--batch-size`` and ``--seed`` belong to the protocol,
+    so the distillation's are ``--distill-batch-size`` and ``--data-seed``.
+    """
     data = parser.add_argument_group("data and model")
     data.add_argument(
         "--dataset",
@@ -57,7 +65,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="model input size (default: the model's native size)",
     )
-    data.add_argument("--seed", type=int, default=0)
+    if protocol:
+        data.add_argument(
+            "--data-seed", type=int, default=0, help="seed of the data split and of the student"
+        )
+    else:
+        data.add_argument("--seed", type=int, default=0)
     approx = parser.add_argument_group("approximations (integer or 'exact')")
     approx.add_argument("--exp-degree", type=_optional_int, default=6)
     approx.add_argument("--inverse-iterations", type=_optional_int, default=7)
@@ -66,7 +79,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--teacher-epochs", type=int, default=40)
     train.add_argument("--epochs", type=int, default=8, help="distillation epochs, half per stage")
-    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--distill-batch-size" if protocol else "--batch-size", type=int, default=16)
     train.add_argument("--lr-stage1", type=float, default=1e-4)
     train.add_argument("--lr-stage2", type=float, default=1e-5)
     train.add_argument("--temperature", type=float, default=5.0)
@@ -84,6 +97,8 @@ def _run_from_args(args: argparse.Namespace, workdir: Path):  # -> DistillRun
     from fedfm.pipeline import ApproxSettings, DistillRun
     from fedfm.training import PretrainConfig
 
+    seed = args.data_seed if hasattr(args, "data_seed") else args.seed
+    batch_size = args.distill_batch_size if hasattr(args, "distill_batch_size") else args.batch_size
     return DistillRun(
         dataset=args.dataset,
         data_root=args.data_root,
@@ -91,21 +106,21 @@ def _run_from_args(args: argparse.Namespace, workdir: Path):  # -> DistillRun
         checkpoint=args.checkpoint,
         image_size=args.image_size,
         max_samples=args.max_samples,
-        seed=args.seed,
+        seed=seed,
         approx=ApproxSettings(
             exp_degree=args.exp_degree,
             inverse_iterations=args.inverse_iterations,
             inv_sqrt_iterations=args.inv_sqrt_iterations,
             gelu=not args.exact_gelu,
         ),
-        teacher=PretrainConfig(epochs=args.teacher_epochs, seed=args.seed),
+        teacher=PretrainConfig(epochs=args.teacher_epochs, seed=seed),
         distill=DistillConfig(
             epochs=args.epochs,
-            batch_size=args.batch_size,
+            batch_size=batch_size,
             lr_stage1=args.lr_stage1,
             lr_stage2=args.lr_stage2,
             temperature=args.temperature,
-            seed=args.seed,
+            seed=seed,
         ),
         workdir=workdir,
         cache_dir=args.cache_dir,
@@ -141,6 +156,147 @@ def _bench(args: argparse.Namespace) -> None:
         batch_size=args.bench_batch_size,
         repeats=args.repeats,
         results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
+def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> None:
+    group = parser.add_argument_group("federated adaptation")
+    group.add_argument("--rounds", type=int, default=rounds)
+    group.add_argument("--clients", type=int, default=5, help="number of clients K")
+    group.add_argument("--partition", default="dirichlet", help="iid, dirichlet or natural")
+    group.add_argument("--alpha", type=float, default=1.0, help="Dirichlet concentration")
+    group.add_argument(
+        "--batch-size", type=int, default=16, help="samples per batch n (at least 16, App. C)"
+    )
+    group.add_argument("--batches-per-round", type=int, default=4)
+    group.add_argument("--rank", type=int, default=8, help="adapter rank (0: linear probing)")
+    group.add_argument("--adapter-alpha", type=float, default=1.0, help="adapter scale (Eq. 5)")
+    group.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="SGD learning rate (default 0.05 for ours and linear probing, 0.0025 for full FT)",
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds partitions, the server's sampling and permutations, and initialisations",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("runs/distill"),
+        help="where the student is (distilled there first if absent)",
+    )
+
+
+def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (config, fed, ft)
+    from fedfm.baselines import DEFAULT_FINETUNE_LR, FineTuneConfig, check_method
+    from fedfm.data.partition import SCHEMES
+    from fedfm.errors import ConfigError
+    from fedfm.protocols.double_blind.config import DoubleBlindConfig
+    from fedfm.protocols.double_blind.runner import Federation
+
+    check_method(method)
+    if args.partition not in SCHEMES:
+        raise ConfigError(f"unknown partition {args.partition!r}; choose one of {list(SCHEMES)}")
+    if not args.alpha > 0:
+        raise ConfigError(f"Dirichlet alpha must be > 0, got {args.alpha}")
+    finetune_lr = args.lr if method == "full-finetune" and args.lr is not None else None
+    protocol_lr = args.lr if method != "full-finetune" and args.lr is not None else 0.05
+    config = DoubleBlindConfig(
+        rounds=args.rounds,
+        batch_size=args.batch_size,
+        batches_per_round=args.batches_per_round,
+        rank=0 if method == "linear-probe" else args.rank,
+        alpha=args.adapter_alpha,
+        lr=protocol_lr,
+        seed=args.seed,
+    )
+    federation = Federation(
+        num_clients=args.clients, scheme=args.partition, alpha=args.alpha, seed=args.seed
+    )
+    finetune = FineTuneConfig(lr=finetune_lr if finetune_lr is not None else DEFAULT_FINETUNE_LR)
+    return config, federation, finetune
+
+
+def _adapt(args: argparse.Namespace) -> None:
+    import json
+    from dataclasses import asdict
+
+    from fedfm.baselines import run_adaptation
+    from fedfm.pipeline import load_data, obtain_student
+    from fedfm.results import json_safe
+
+    config, federation, finetune = _protocol_from_args(args, args.method)
+    output = args.output or Path("runs/adapt") / f"{args.method}.json"
+    if output.exists() and output.is_dir():
+        raise IsADirectoryError(f"--output {output} is a folder, expected a file path")
+    run = _run_from_args(args, args.workdir)
+    student = obtain_student(run, progress=not args.no_progress)
+    splits, _ = load_data(run)
+    result = run_adaptation(
+        args.method,
+        student,
+        splits,
+        config,
+        federation,
+        finetune=finetune,
+        checkpoint_dir=args.checkpoint_dir,
+    )
+    for record in result.history:
+        print(f"round {record.round:3d}  balanced accuracy {record.balanced_accuracy:.4f}")
+    payload = {
+        "command": args.command_line,
+        "method": args.method,
+        "backend": config.backend
+        if args.method != "full-finetune"
+        else "plaintext (no encryption, clients hold the model)",
+        "config": config.to_config(),
+        "federation": asdict(federation),
+        "finetune": asdict(finetune) if args.method == "full-finetune" else None,
+        "trainable_parameters": result.trainable_parameters,
+        "final_balanced_accuracy": result.final_balanced_accuracy,
+        "history": [asdict(record) for record in result.history],
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False))
+    print(
+        f"[fedfm] {args.method}: final balanced accuracy {result.final_balanced_accuracy:.4f}; "
+        f"wrote {output}"
+    )
+
+
+def _bench_protocol(args: argparse.Namespace) -> None:
+    from fedfm.bench_protocol import run_protocol_benchmark
+
+    config, federation, finetune = _protocol_from_args(args)
+    run_protocol_benchmark(
+        _run_from_args(args, args.workdir),
+        config,
+        federation,
+        finetune=finetune,
+        repeats=args.repeats,
+        threads=args.threads,
+        results_dir=args.results_dir,
+        progress=not args.no_progress,
+        command=args.command_line,
+    )
+
+
+def _bench_extraction(args: argparse.Namespace) -> None:
+    from fedfm.bench_protocol import run_extraction_benchmark
+
+    config, federation, _ = _protocol_from_args(args)
+    run_extraction_benchmark(
+        _run_from_args(args, args.workdir),
+        config,
+        federation,
+        mlp=not args.no_mlp,
+        results_dir=args.results_dir,
+        progress=not args.no_progress,
         command=args.command_line,
     )
 
@@ -184,6 +340,50 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workdir", type=Path, default=Path("runs/bench"))
     bench.add_argument("--results-dir", type=Path, default=Path("results"))
     bench.set_defaults(handler=_bench)
+
+    adapt = commands.add_parser(
+        "adapt", help="federated adaptation in one process (ours, linear probing, full FT)"
+    )
+    _add_run_arguments(adapt, protocol=True)
+    _add_protocol_arguments(adapt, rounds=20)
+    adapt.add_argument(
+        "--method", choices=("ours", "linear-probe", "full-finetune"), default="ours"
+    )
+    adapt.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="save after every round and resume from there when run again",
+    )
+    adapt.add_argument(
+        "--output", type=Path, default=None, help="JSON history (default runs/adapt/<method>.json)"
+    )
+    adapt.set_defaults(handler=_adapt)
+
+    bench_protocol = commands.add_parser(
+        "bench-protocol", help="wall time, round trips and bytes per round; ours vs LP vs FT"
+    )
+    _add_run_arguments(bench_protocol, protocol=True)
+    _add_protocol_arguments(bench_protocol, rounds=20)
+    bench_protocol.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench_protocol.add_argument(
+        "--repeats", type=int, default=4, help="runs of ours and of LP (ABBA order) for timing"
+    )
+    bench_protocol.add_argument(
+        "--threads", type=int, default=1, help="torch threads while timing (CPU time = work)"
+    )
+    bench_protocol.set_defaults(handler=_bench_protocol)
+
+    bench_extraction = commands.add_parser(
+        "bench-extraction", help="model-extraction attacks from a curious client's view"
+    )
+    _add_run_arguments(bench_extraction, protocol=True)
+    _add_protocol_arguments(bench_extraction, rounds=3)
+    bench_extraction.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench_extraction.add_argument(
+        "--no-mlp", action="store_true", help="skip the MLP fit of attack (b) (faster)"
+    )
+    bench_extraction.set_defaults(handler=_bench_extraction)
     return parser
 
 

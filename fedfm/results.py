@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import shlex
 import sys
@@ -31,6 +32,18 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) replaced by ``None``: JSON has no NaN
+    (e.g. the balanced accuracy of a round in which no client could evaluate)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def _cell(value: Any) -> str:
@@ -76,6 +89,7 @@ def write_results(
         "rows": list(rows),
         **(extra or {}),
     }
+    payload = json_safe(payload)
     json_path = results_dir / f"{name}.json"
     md_path = results_dir / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=2, default=str, allow_nan=False))

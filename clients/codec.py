@@ -1,0 +1,97 @@
+"""fedfm envelopes as Flower messages, and back.
+
+A message carries an envelope's arrays in an ``ArrayRecord`` (numpy arrays, any dtype) and its
+config values in a ``ConfigRecord`` (``int``, ``float``, ``str``, ``bytes``, ``bool``); the
+round travels as the message's ``group_id`` (Flower's place for the federated round), the type as
+its ``message_type``. Both Flower adapters use this module: the ServerApp's transport to send
+requests and read replies, the ClientApp to read requests and answer them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+from fedfm.errors import ProtocolError
+from fedfm.protocols.transport import ConfigValue, Envelope
+
+ARRAYS = "fedfm.arrays"
+CONFIG = "fedfm.config"
+
+
+def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Numpy arrays as an ``ArrayRecord`` (dtype and shape are kept)."""
+    return ArrayRecord({name: Array(np.asarray(value)) for name, value in arrays.items()})
+
+
+def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """The numpy arrays of an ``ArrayRecord``."""
+    return {name: array.numpy() for name, array in record.items()}
+
+
+def to_config_record(config: Mapping[str, ConfigValue]) -> ConfigRecord:
+    """Plain values as a ``ConfigRecord``; refuses values Flower cannot carry."""
+    for key, value in config.items():
+        if not isinstance(value, int | float | str | bytes | bool):
+            raise ProtocolError(
+                f"config value {key!r} is a {type(value).__name__}; messages carry only "
+                "int, float, str, bytes and bool"
+            )
+    return ConfigRecord(dict(config))
+
+
+def _content(envelope: Envelope) -> RecordDict:
+    return RecordDict(
+        {ARRAYS: to_array_record(envelope.arrays), CONFIG: to_config_record(envelope.config)}
+    )
+
+
+def envelope_to_message(envelope: Envelope, *, ttl: float | None = None) -> Message:
+    """A server request: a message to ``envelope.node_id``."""
+    return Message(
+        _content(envelope),
+        dst_node_id=envelope.node_id,
+        message_type=envelope.message_type,
+        group_id=str(envelope.round),
+        ttl=ttl,
+    )
+
+
+def envelope_to_reply(envelope: Envelope, request: Message) -> Message:
+    """A client reply to ``request`` (type, round and addresses come from the request)."""
+    if envelope.message_type != request.metadata.message_type:
+        raise ProtocolError(
+            f"a {envelope.message_type} envelope cannot answer a {request.metadata.message_type}"
+        )
+    return Message(_content(envelope), reply_to=request)
+
+
+def message_to_envelope(message: Message, node_id: int) -> Envelope:
+    """The envelope a message carries; ``node_id`` is the client it goes to or comes from.
+
+    Raises
+    ------
+    ProtocolError
+        If the message carries an error or lacks fedfm's records or round.
+    """
+    if message.has_error():
+        raise ProtocolError(f"message carries an error: {message.error.reason}")
+    content = message.content
+    arrays, config = content.get(ARRAYS), content.get(CONFIG)
+    if not isinstance(arrays, ArrayRecord) or not isinstance(config, ConfigRecord):
+        raise ProtocolError(
+            f"{message.metadata.message_type} message lacks the {ARRAYS!r} ArrayRecord or the "
+            f"{CONFIG!r} ConfigRecord"
+        )
+    group_id = message.metadata.group_id
+    if not group_id.isdigit():
+        raise ProtocolError(f"message group id {group_id!r} is not a round number")
+    return Envelope(
+        message_type=message.metadata.message_type,
+        node_id=node_id,
+        round=int(group_id),
+        arrays=from_array_record(arrays),
+        config=dict(config),  # type: ignore[arg-type]  # scalars only, as sent
+    )

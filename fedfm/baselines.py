@@ -1,0 +1,351 @@
+"""Baselines over the same data and model as double-blind adaptation (spec ``001`` App. A, D).
+
+Three methods, one harness for the data: every method reads its clients from
+:func:`~fedfm.protocols.double_blind.runner.federation_data` (same partitions, same train/held-out
+split per client), starts from the same FHE-friendly student and reports the same
+:class:`~fedfm.protocols.double_blind.driver.RoundRecord` history, with balanced accuracy (the
+paper's metric) over the union of the clients' held-out data.
+
+``ours``
+    The double-blind protocol with low-rank parallel side adapters and a head
+    (:func:`~fedfm.protocols.double_blind.runner.run_in_process`).
+``linear-probe``
+    The same protocol with ``rank=0``: no adapter, the head reads ``B_L`` (transfer learning in
+    the same harness: same encryption flow, permutations, round trips and optimiser).
+``full-finetune``
+    Vanilla federated adaptation (App. A) with plain FedAvg: each client holds a *plaintext copy of
+    the whole model* (so neither data nor model privacy holds; a baseline only), fine-tunes every
+    weight and returns them for the weighted average of Eq. 7.
+
+Full fine-tuning sees the same samples per round as ours: each client draws ``batches_per_round``
+batches of ``batch_size`` samples from its training data (without replacement, seeded like the
+protocol's server). By default (``local_steps="batch"``, vanilla FedAvg) it takes one SGD step with
+momentum per batch; ``local_steps="round"`` takes one step on the batches' mean loss instead,
+exactly as the protocol's client updates its adapter (a single encrypted loss per round). The
+momentum buffer stays on the client between rounds, as in the protocol. Clients with fewer
+training (held-out) samples than a batch sit out training (evaluation), as in the protocol. The
+head is the student's own classifier re-initialised (seeded) for the task's classes (the
+adapter's head starts fresh too). The learning rate follows the paper's ratio (App. D.2: SGD
+0.001 for linear probing and ours, ``5e-5`` for full fine-tuning, 20 times smaller): fedfm's
+protocol default is 0.05 (the paper's 0.001 scaled up for 20 rounds of a single step), hence
+:data:`DEFAULT_FINETUNE_LR` = 0.0025.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedfm.data import DataSplits
+from fedfm.errors import CheckpointError, ConfigError
+from fedfm.models.fhe_vit import FheViT
+from fedfm.protocols.double_blind.adapter import SideAdapterHead
+from fedfm.protocols.double_blind.client import ClientData
+from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from fedfm.protocols.double_blind.driver import RoundRecord
+from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
+from fedfm.protocols.double_blind.server import balanced_accuracy
+from fedfm.protocols.transport import InProcessTransport
+
+METHODS: tuple[str, ...] = ("ours", "linear-probe", "full-finetune")
+DEFAULT_FINETUNE_LR = 0.0025
+LOCAL_STEPS: tuple[str, ...] = ("batch", "round")
+
+
+@dataclass(frozen=True)
+class FineTuneConfig:
+    """Optimiser of the full fine-tuning baseline (the rest comes from the protocol's config).
+
+    ``local_steps``: ``"batch"`` (one SGD step per batch, vanilla FedAvg) or ``"round"`` (one
+    step per round on the mean loss of the round's batches, the protocol's schedule).
+    """
+
+    lr: float = DEFAULT_FINETUNE_LR
+    momentum: float = 0.9
+    local_steps: str = "batch"
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"learning rate must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.local_steps not in LOCAL_STEPS:
+            raise ConfigError(
+                f"local_steps must be one of {list(LOCAL_STEPS)}, got {self.local_steps!r}"
+            )
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ConfigError(f"unknown adaptation method {method!r}; choose one of {list(METHODS)}")
+
+
+def run_linear_probe(
+    model: FheViT,
+    splits: DataSplits,
+    config: DoubleBlindConfig,
+    federation: Federation,
+    *,
+    checkpoint_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[list[RoundRecord], InProcessTransport]:
+    """Linear probing in the protocol's harness: ``config`` with ``rank=0``."""
+    return run_in_process(
+        model, splits, replace(config, rank=0), federation, checkpoint_dir=checkpoint_dir, log=log
+    )
+
+
+def finetune_model(student: FheViT, num_classes: int, *, seed: int) -> FheViT:
+    """A copy of ``student`` whose classifier is re-initialised (seeded) for ``num_classes``."""
+    model = copy.deepcopy(student)
+    vit = model.vit
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        vit.reset_classifier(num_classes)
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _average(states: list[dict[str, torch.Tensor]], weights: list[int]) -> dict[str, torch.Tensor]:
+    """Eq. 7: ``sum_k N_k / N * state_k`` for floating tensors; others taken from the first."""
+    total = float(sum(weights))
+    averaged = {}
+    for name, first in states[0].items():
+        if first.is_floating_point():
+            pairs = zip(states, weights, strict=True)
+            averaged[name] = sum(state[name] * (weight / total) for state, weight in pairs)
+        else:
+            averaged[name] = first.clone()
+    return averaged
+
+
+def _confusion(model: FheViT, data: ClientData, num_classes: int) -> np.ndarray:
+    confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
+    model.eval()
+    with torch.no_grad():
+        images = torch.from_numpy(data.eval_images)
+        predicted = torch.cat(
+            [model(images[i : i + 128]).argmax(dim=1) for i in range(0, len(images), 128)]
+        ).numpy()
+    np.add.at(confusion, (data.eval_labels, predicted), 1)
+    return confusion
+
+
+def _save(
+    path: Path,
+    round_: int,
+    state: dict[str, torch.Tensor],
+    history: list[RoundRecord],
+    identity: dict[str, Any],
+) -> None:
+    """Write the global weights and the history atomically (resume after ``round_``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    weights_tmp, meta_tmp = path / "global.partial.pt", path / "state.partial.json"
+    torch.save(state, weights_tmp)
+    meta = {"identity": identity, "round": round_, "history": [asdict(r) for r in history]}
+    meta_tmp.write_text(json.dumps(meta, indent=2))
+    weights_tmp.replace(path / "global.pt")
+    meta_tmp.replace(path / "state.json")
+
+
+def _load(
+    path: Path, identity: dict[str, Any]
+) -> tuple[int, dict[str, torch.Tensor], list[RoundRecord]] | None:
+    """The saved round, weights and history of a run with the same identity, if any."""
+    meta_path = path / "state.json"
+    if not meta_path.exists():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        state = torch.load(path / "global.pt", map_location="cpu", weights_only=True)
+        history = [RoundRecord(**record) for record in meta["history"]]
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise CheckpointError(f"saved run state in {path} is unreadable: {error}") from error
+    if meta.get("identity") != identity:
+        raise CheckpointError(
+            f"{path} holds a run with other settings; use another checkpoint folder or remove it"
+        )
+    return int(meta["round"]), state, history
+
+
+def run_full_finetune(
+    student: FheViT,
+    splits: DataSplits,
+    config: DoubleBlindConfig,
+    federation: Federation,
+    *,
+    finetune: FineTuneConfig | None = None,
+    checkpoint_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[list[RoundRecord], FheViT]:
+    """Vanilla FedAvg full fine-tuning of a copy of ``student`` (plaintext, a baseline).
+
+    Returns the history and the final global model (``student`` itself is not modified).
+
+    Uses ``config``'s rounds, batch size, batches per round, held-out fraction and seed; the
+    adapter settings and the learning rate of ``config`` do not apply (see ``finetune``).
+    """
+    finetune = finetune or FineTuneConfig()
+    num_classes = splits.pool.num_classes
+    datasets = federation_data(splits, federation, config)
+    seed = 0 if config.seed is None else config.seed
+    model = finetune_model(student, num_classes, seed=seed)
+    identity = {
+        "method": "full-finetune",
+        "config": config.to_config(),
+        "federation": asdict(federation),
+        "finetune": asdict(finetune),
+    }
+    global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    history: list[RoundRecord] = []
+    start_round = 1
+    saved = _load(checkpoint_dir, identity) if checkpoint_dir is not None else None
+    if saved is not None:
+        done, global_state, history = saved
+        start_round = done + 1
+        log(f"[fedfm] resuming after round {done} from {checkpoint_dir}")
+    rng = np.random.default_rng(config.seed)
+    momenta: dict[int, list[torch.Tensor]] = {}
+    n = config.batch_size
+    log(
+        f"[fedfm] full fine-tuning (plaintext FedAvg baseline): {len(datasets)} clients, "
+        f"{config.rounds} rounds, batch {n} x {config.batches_per_round}, lr {finetune.lr}"
+    )
+    for server_round in range(start_round, config.rounds + 1):
+        started = time.perf_counter()
+        states, weights, losses = [], [], []
+        for client, data in enumerate(datasets):
+            total = len(data.train_labels)
+            if total < n:
+                continue
+            count = min(config.batches_per_round, total // n)
+            chosen = rng.choice(total, size=count * n, replace=False)
+            model.load_state_dict(global_state)
+            model.train()
+            params = [p for p in model.parameters() if p.requires_grad]
+            buffers = momenta.setdefault(client, [torch.zeros_like(p) for p in params])
+            steps = [chosen] if finetune.local_steps == "round" else np.split(chosen, count)
+            step_losses = []
+            for step in steps:
+                images = torch.from_numpy(data.train_images[step])
+                labels = torch.from_numpy(data.train_labels[step]).long()
+                loss = F.cross_entropy(model(images), labels)
+                model.zero_grad()
+                loss.backward()
+                with torch.no_grad():
+                    for parameter, velocity in zip(params, buffers, strict=True):
+                        velocity.mul_(finetune.momentum).add_(parameter.grad)
+                        parameter -= finetune.lr * velocity
+                step_losses.append(loss.item())
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            weights.append(count * n)
+            losses.append(float(np.mean(step_losses)))
+        if not states:
+            raise ConfigError(f"no client has {n} training samples (the batch size)")
+        global_state = _average(states, weights)
+        model.load_state_dict(global_state)
+        confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
+        evaluated = 0
+        for data in datasets:
+            if len(data.eval_labels) >= n:
+                confusion += _confusion(model, data, num_classes)
+                evaluated += 1
+        record = RoundRecord(
+            round=server_round,
+            train_loss=float(np.average(losses, weights=weights)),
+            balanced_accuracy=balanced_accuracy(confusion),
+            accuracy=float(np.trace(confusion) / max(confusion.sum(), 1)),
+            clients_trained=len(states),
+            clients_evaluated=evaluated,
+            failures=[],
+            seconds=time.perf_counter() - started,
+            round_trips=2,  # fit and evaluate, one message each way per client
+        )
+        history.append(record)
+        if checkpoint_dir is not None:
+            _save(checkpoint_dir, server_round, global_state, history, identity)
+        log(
+            f"[fedfm] round {server_round}/{config.rounds} [full fine-tuning, plaintext]: "
+            f"train loss {record.train_loss:.4f}, balanced accuracy "
+            f"{record.balanced_accuracy:.4f} ({record.seconds:.1f} s)"
+        )
+    model.load_state_dict(global_state)
+    return history, model.eval()
+
+
+@dataclass
+class AdaptationResult:
+    """One method's run: its history and, for the protocol's methods, the transport."""
+
+    method: str
+    history: list[RoundRecord]
+    transport: InProcessTransport | None
+    trainable_parameters: int
+
+    @property
+    def final_balanced_accuracy(self) -> float:
+        return self.history[-1].balanced_accuracy
+
+
+def protocol_trainable_parameters(
+    model: FheViT, num_classes: int, config: DoubleBlindConfig
+) -> int:
+    """Adapter and head parameters of the protocol's client for ``config`` (``rank=0``: head)."""
+    dim = model.vit.embed_dim
+    adapter = SideAdapterHead(
+        num_blocks=model.num_blocks,
+        dim=dim,
+        num_classes=num_classes,
+        rank=config.rank,
+        alpha=config.alpha,
+    )
+    return trainable_parameters(adapter)
+
+
+def run_adaptation(
+    method: str,
+    student: FheViT,
+    splits: DataSplits,
+    config: DoubleBlindConfig,
+    federation: Federation,
+    *,
+    finetune: FineTuneConfig | None = None,
+    checkpoint_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> AdaptationResult:
+    """Run ``method`` (one of :data:`METHODS`) over the federation; ``linear-probe`` forces
+    ``rank=0``, ``full-finetune`` ignores the adapter settings and ``config.lr``."""
+    check_method(method)
+    classes = splits.pool.num_classes
+    if method == "full-finetune":
+        history, _ = run_full_finetune(
+            student,
+            splits,
+            config,
+            federation,
+            finetune=finetune,
+            checkpoint_dir=checkpoint_dir,
+            log=log,
+        )
+        seed = 0 if config.seed is None else config.seed
+        params = trainable_parameters(finetune_model(student, classes, seed=seed))
+        return AdaptationResult(method, history, None, params)
+    if method == "linear-probe":
+        config = replace(config, rank=0)
+    history, transport = run_in_process(
+        student, splits, config, federation, checkpoint_dir=checkpoint_dir, log=log
+    )
+    params = protocol_trainable_parameters(student, classes, config)
+    return AdaptationResult(method, history, transport, params)

@@ -1,0 +1,167 @@
+"""The run configuration of the double-blind Flower apps, as plain values.
+
+Flower hands both apps ``context.run_config``: the ``[tool.flwr.app.config]`` table of the app's
+``pyproject.toml`` with ``flwr run --run-config`` overrides, kebab-case keys, TOML scalars. This
+module turns such a mapping into the library's settings objects, so that the ServerApp, the
+ClientApp and the in-process runner build exactly the same data, federation and protocol
+configuration from the same values. It knows nothing of Flower itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedfm.distill import DistillConfig
+from fedfm.errors import ConfigError
+from fedfm.models.foundation import DEFAULT_MODEL
+from fedfm.pipeline import DistillRun
+from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from fedfm.protocols.double_blind.runner import Federation
+from fedfm.training import PretrainConfig
+
+RunValue = int | float | str | bool
+
+# Every key the apps read, with its default; simulations/double_blind/pyproject.toml repeats them
+# (a test checks that both agree). Empty strings and zeros mean "not set" where noted in README.
+DEFAULTS: dict[str, RunValue] = {
+    # protocol
+    "rounds": 10,
+    "batch-size": 16,
+    "batches-per-round": 4,
+    "rank": 8,
+    "alpha": 1.0,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "backend": "simulate",
+    "eval-fraction": 0.2,
+    "seed": 0,
+    # data and federation
+    "dataset": "digits",
+    "data-root": "",
+    "num-clients": 5,
+    "partition": "dirichlet",
+    "dirichlet-alpha": 1.0,
+    # server model (the distilled student; distilled first when absent)
+    "model": DEFAULT_MODEL,
+    "image-size": 0,
+    "max-samples": 0,
+    "workdir": "runs/distill",
+    "cache-dir": "runs/cache",
+    "teacher-epochs": 40,
+    "distill-epochs": 8,
+    # the ServerApp's driver
+    "strategy": "fedavg",
+    "timeout": 300.0,
+    "connect-timeout": 60.0,
+    "min-clients": 1,
+    "checkpoint-dir": "",
+}
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """Everything the double-blind apps take from a run configuration.
+
+    Attributes
+    ----------
+    distill_run:
+        Data loading and the server model: ``load_data`` and ``obtain_student`` read it.
+    protocol:
+        The protocol configuration the server sends at setup.
+    federation:
+        Number of clients, partition scheme, Dirichlet alpha and seed of the partitioning.
+    strategy:
+        ``fedavg``, ``fedadam``, ``fedprox`` or ``module:attribute`` naming a Flower strategy.
+    timeout:
+        Seconds to wait for the replies of one round trip; ``None`` waits as long as it takes.
+    connect_timeout:
+        Seconds the ServerApp waits for ``num_clients`` nodes to connect.
+    min_clients:
+        Fewest clients that must complete setup and each round's training.
+    checkpoint_dir:
+        Where the driver saves the global adapter and history after every round (``None``: no
+        checkpoints, no resuming).
+    """
+
+    distill_run: DistillRun
+    protocol: DoubleBlindConfig
+    federation: Federation
+    strategy: str
+    timeout: float | None
+    connect_timeout: float
+    min_clients: int
+    checkpoint_dir: Path | None
+
+
+def _typed(values: Mapping[str, object], key: str) -> RunValue:
+    value = values.get(key, DEFAULTS[key])
+    default = DEFAULTS[key]
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # TOML writes 1 for 1.0
+    if type(value) is not type(default):
+        raise ConfigError(f"run config {key!r} must be {type(default).__name__}, got {value!r}")
+    return value
+
+
+def app_settings(run_config: Mapping[str, object]) -> AppSettings:
+    """Settings from a Flower run configuration (missing keys take :data:`DEFAULTS`).
+
+    Raises
+    ------
+    ConfigError
+        If a key is unknown, a value has the wrong type, or a setting is out of range.
+    """
+    unknown = sorted(set(run_config) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"unknown run config keys {unknown}; known: {sorted(DEFAULTS)}")
+    v = {key: _typed(run_config, key) for key in DEFAULTS}
+    seed = int(v["seed"])
+    if seed < 0:
+        raise ConfigError(f"run config 'seed' must be >= 0, got {seed}")
+    distill_run = DistillRun(
+        dataset=str(v["dataset"]),
+        data_root=str(v["data-root"]) or None,
+        model=str(v["model"]),
+        image_size=int(v["image-size"]) or None,
+        max_samples=int(v["max-samples"]) or None,
+        seed=seed,
+        teacher=PretrainConfig(epochs=int(v["teacher-epochs"]), seed=seed),
+        distill=DistillConfig(epochs=int(v["distill-epochs"]), seed=seed),
+        workdir=Path(str(v["workdir"])),
+        cache_dir=Path(str(v["cache-dir"])),
+    )
+    protocol = DoubleBlindConfig(
+        rounds=int(v["rounds"]),
+        batch_size=int(v["batch-size"]),
+        batches_per_round=int(v["batches-per-round"]),
+        rank=int(v["rank"]),
+        alpha=float(v["alpha"]),
+        lr=float(v["lr"]),
+        momentum=float(v["momentum"]),
+        backend=str(v["backend"]),
+        eval_fraction=float(v["eval-fraction"]),
+        seed=seed,
+    )
+    federation = Federation(
+        num_clients=int(v["num-clients"]),
+        scheme=str(v["partition"]),
+        alpha=float(v["dirichlet-alpha"]),
+        seed=seed,
+    )
+    timeout = float(v["timeout"])
+    if timeout < 0 or float(v["connect-timeout"]) < 0:
+        raise ConfigError("timeouts must be >= 0 (a 'timeout' of 0 means no timeout)")
+    if int(v["min-clients"]) < 1:
+        raise ConfigError(f"min-clients must be >= 1, got {v['min-clients']}")
+    return AppSettings(
+        distill_run=distill_run,
+        protocol=protocol,
+        federation=federation,
+        strategy=str(v["strategy"]),
+        timeout=timeout or None,
+        connect_timeout=float(v["connect-timeout"]),
+        min_clients=int(v["min-clients"]),
+        checkpoint_dir=Path(str(v["checkpoint-dir"])) if v["checkpoint-dir"] else None,
+    )

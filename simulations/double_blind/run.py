@@ -1,0 +1,205 @@
+"""Run the double-blind Flower App with ``flwr run`` in a local simulation, then clean up.
+
+Usage (from the repository root, with fedfm installed in ``.venv``)::
+
+    .venv/bin/python simulations/double_blind/run.py [--supernodes K] [flwr run options]
+
+What it does, because Flower 1.41 needs it done:
+
+* a temporary ``FLWR_HOME`` (unless ``--flwr-home``) whose ``config.toml`` defines the SuperLink
+  connection ``fedfm-local`` (so nothing is read from or written to ``~/.flwr``);
+* its own simulation SuperLink on a free local port, started from the repository root, with
+  ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` (otherwise Flower tries ``uv sync`` with the
+  app's dependencies), telemetry and update checks off, Ray's files in a private temporary
+  folder; at the end it is stopped and the processes it started (SuperExec, simulation, Ray)
+  are given 30 s to follow, then ended;
+* ``flwr run simulations/double_blind fedfm-local --stream`` with ``K`` simulated SuperNodes
+  (``--federation-config num-supernodes=K``; K clients in the run config too) and the paths
+  ``workdir``/``cache-dir`` made absolute; further arguments go to ``flwr run`` as they are,
+  e.g. ``--run-config "rounds=2 strategy='fedadam'"``;
+* the exit status is 0 only if Flower reports the run ``finished:completed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+APP = Path(__file__).resolve().parent
+ROOT = APP.parents[1]
+CONNECTION = "fedfm-local"
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _environment(home: Path, ray_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(home),
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        RAY_TMPDIR=str(ray_dir),
+    )
+    return env
+
+
+def _wait_until_healthy(port: int, superlink: subprocess.Popen, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if superlink.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with status {superlink.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"flower-superlink did not answer on port {port} within {seconds:.0f} s")
+
+
+def _processes_of(home: Path) -> list[int]:
+    """Live processes of this run: they inherited ``FLWR_HOME=home`` (Linux; none elsewhere)."""
+    marker = f"FLWR_HOME={home}\0".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+def _wait_for_exit(home: Path, seconds: float = 30.0) -> None:
+    """Give the SuperLink's children time to follow it; end the ones that do not, by pid.
+
+    The SuperLink gives its SuperExec one second to stop and otherwise leaves it to notice the
+    SuperLink is gone, which takes a few seconds more (Flower 1.41).
+    """
+    deadline = time.monotonic() + seconds
+    while (pids := _processes_of(home)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+
+
+def _run_status(env: dict[str, str], seconds: float = 30.0) -> str:
+    """The status Flower reports for the only run on this SuperLink, once it has finished."""
+    deadline = time.monotonic() + seconds
+    status = "unknown"
+    while time.monotonic() < deadline:
+        listing = subprocess.run(
+            [str(BIN / "flwr"), "ls", CONNECTION, "--format", "json"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        try:
+            runs = json.loads(listing.stdout).get("runs", [])
+        except ValueError:
+            runs = []
+        status = runs[0]["status"] if runs else "unknown"
+        if status.startswith("finished"):
+            break
+        time.sleep(1)
+    return status
+
+
+def run(supernodes: int, home: Path, flwr_args: list[str]) -> int:
+    """Start a SuperLink, run the app, stop the SuperLink; 0 if the run completed."""
+    # Ray's own folder: short (its socket paths must stay under 108 bytes) and private (Ray
+    # would join a cluster another user started with `ray start` under the shared /tmp/ray)
+    with tempfile.TemporaryDirectory(prefix="fedfm-ray-", ignore_cleanup_errors=True) as ray:
+        return _run(supernodes, home, flwr_args, _environment(home, Path(ray)))
+
+
+def _run(supernodes: int, home: Path, flwr_args: list[str], env: dict[str, str]) -> int:
+    port = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    with (home / "superlink.log").open("w") as superlink_log:
+        superlink = subprocess.Popen(
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--simulation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=superlink_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_until_healthy(port, superlink)
+            defaults = (
+                f"num-clients={supernodes} workdir='{ROOT / 'runs/distill'}' "
+                f"cache-dir='{ROOT / 'runs/cache'}'"
+            )
+            command = [
+                str(BIN / "flwr"),
+                "run",
+                str(APP),
+                CONNECTION,
+                "--stream",
+                "--federation-config",
+                f"num-supernodes={supernodes}",
+                "--run-config",
+                defaults,
+                *flwr_args,
+            ]
+            exit_code = subprocess.run(command, env=env, cwd=ROOT, check=False).returncode
+            status = _run_status(env) if exit_code == 0 else f"flwr run exited with {exit_code}"
+        finally:
+            superlink.terminate()
+            try:
+                superlink.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                superlink.kill()
+                superlink.wait()
+            _wait_for_exit(Path(env["FLWR_HOME"]))
+    print(f"[fedfm] flwr run: {status}; SuperLink stopped")
+    return 0 if status == "finished:completed" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--supernodes", type=int, default=5, help="simulated clients (5)")
+    parser.add_argument(
+        "--flwr-home", type=Path, help="FLWR_HOME to use (default: a temporary folder)"
+    )
+    args, flwr_args = parser.parse_known_args(argv)
+    if args.flwr_home is not None:
+        args.flwr_home.mkdir(parents=True, exist_ok=True)
+        return run(args.supernodes, args.flwr_home.resolve(), flwr_args)
+    with tempfile.TemporaryDirectory(prefix="fedfm-flwr-") as home:
+        return run(args.supernodes, Path(home), flwr_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

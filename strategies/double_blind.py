@@ -1,0 +1,76 @@
+"""The learning service provider's role of double-blind adaptation as a Flower ``ServerApp``.
+
+:func:`main` reads the run config (keys and defaults in
+:data:`fedfm.protocols.double_blind.settings.DEFAULTS`), loads the distilled FHE-friendly student
+(distilling it first if the work directory has none), waits for the clients' nodes and runs
+:func:`~fedfm.protocols.double_blind.run_double_blind` over a :class:`FlowerTransport`, with
+aggregation through a Flower strategy (FedAvg by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from logging import INFO
+
+from flwr.app import Context
+from flwr.common import log as flwr_log
+from flwr.serverapp import Grid, ServerApp
+
+from fedfm.crypto import get_backend
+from fedfm.pipeline import load_data, obtain_student
+from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
+from fedfm.protocols.double_blind.server import DoubleBlindServer
+from fedfm.protocols.double_blind.settings import app_settings
+from fedfm_strategies.aggregation import StrategyAggregator, make_strategy
+from fedfm_strategies.transport import FlowerTransport, wait_for_nodes
+
+
+def _log(line: str) -> None:
+    flwr_log(INFO, line)
+
+
+def run_adaptation(
+    grid: Grid, run_config: Mapping[str, object], *, log: Callable[[str], None] = _log
+) -> list[RoundRecord]:
+    """Run double-blind adaptation with the nodes of ``grid``; return the per-round history."""
+    settings = app_settings(run_config)
+    strategy = make_strategy(settings.strategy)
+    splits, _ = load_data(settings.distill_run)
+    model = obtain_student(settings.distill_run, progress=False, log=log)
+    backend = get_backend(settings.protocol.backend)
+    server = DoubleBlindServer(
+        model, settings.protocol, backend, num_classes=splits.pool.num_classes, log=log
+    )
+    nodes = wait_for_nodes(
+        grid,
+        settings.federation.num_clients,
+        minimum=settings.min_clients,
+        deadline_seconds=settings.connect_timeout,
+        log=log,
+    )
+    log(f"[fedfm] aggregation: {type(strategy).__name__} ({settings.strategy})")
+    return run_double_blind(
+        server,
+        FlowerTransport(grid),
+        nodes,
+        aggregator=StrategyAggregator(strategy),
+        checkpoint_dir=settings.checkpoint_dir,
+        identity={
+            "config": settings.protocol.to_config(),
+            "federation": asdict(settings.federation),
+            "strategy": settings.strategy,
+        },
+        timeout=settings.timeout,
+        min_clients=settings.min_clients,
+        log=log,
+    )
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """The ServerApp's entry point."""
+    run_adaptation(grid, context.run_config)

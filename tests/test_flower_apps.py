@@ -1,0 +1,538 @@
+"""The double-blind protocol as Flower apps: codec, ClientApp, strategies, ServerApp, flwr run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from uuid import uuid4
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.common.serde import (
+    context_from_proto,
+    context_to_proto,
+    message_from_proto,
+    message_to_proto,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedfm.approx import calibrate
+from fedfm.crypto import SimulateBackend
+from fedfm.data import load_splits
+from fedfm.errors import ConfigError, ProtocolError
+from fedfm.models import ModelSpec, to_fhe_friendly
+from fedfm.pipeline import ApproxSettings, load_data, load_student, save_student
+from fedfm.protocols.double_blind import (
+    ClientState,
+    ClientUpdate,
+    DoubleBlindConfig,
+    DoubleBlindServer,
+    WeightedAverage,
+)
+from fedfm.protocols.double_blind.config import SETUP, TRAIN_BLOCK, TRAIN_LOSS
+from fedfm.protocols.double_blind.runner import federation_data, run_in_process
+from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
+from fedfm.protocols.transport import Envelope, Failure
+from fedfm_clients.codec import envelope_to_message, envelope_to_reply, message_to_envelope
+from fedfm_clients.double_blind import app as client_app
+from fedfm_clients.double_blind import client_role, load_state, save_state
+from fedfm_strategies.aggregation import StrategyAggregator, make_strategy, task_identity
+from fedfm_strategies.double_blind import run_adaptation
+from fedfm_strategies.transport import FlowerTransport
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "simulations" / "double_blind"
+IMAGE = 16
+QUIET = {"log": lambda _: None}
+
+
+@pytest.fixture(autouse=True)
+def identity():
+    """Flower stamps new messages with the runtime's task identity; lend one outside a runtime."""
+    with task_identity():
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Small tensors on a shared 2-core machine: a second thread only adds contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory) -> Path:
+    """An untrained, calibrated student: these tests check plumbing and equality, not accuracy."""
+    folder = tmp_path_factory.mktemp("student")
+    splits = load_splits("digits", image_size=IMAGE, max_samples=120, seed=0)
+    torch.manual_seed(0)
+    spec = ModelSpec("vit_fedfm_tiny", 10, IMAGE)
+    student = to_fhe_friendly(spec.build(), ApproxSettings().build())
+    calibrate(student, [splits.aux.images[:64]])
+    save_student(folder / "student.pt", student, spec, ApproxSettings())
+    return folder
+
+
+def run_config(student_dir: Path, **changes: object) -> dict[str, object]:
+    """Three clients, two rounds of one batch: small enough for CI."""
+    values: dict[str, object] = {
+        "num-clients": 3,
+        "rounds": 2,
+        "batches-per-round": 1,
+        "image-size": IMAGE,
+        "workdir": str(student_dir),
+    }
+    return values | changes
+
+
+def node_context(node_id: int, partition: int, config: dict[str, object], count: int = 3):
+    return Context(
+        run_id=1,
+        node_id=node_id,
+        node_config={"partition-id": partition, "num-partitions": count},
+        state=RecordDict(),
+        run_config=config,
+    )
+
+
+def wire(message: Message) -> Message:
+    """The message as the receiving end gets it (Flower's protobuf form and back)."""
+    return message_from_proto(message_to_proto(message))
+
+
+def carries(message: Message, secret: bytes) -> bool:
+    return secret in message_to_proto(message).SerializeToString()
+
+
+# -- run config ---------------------------------------------------------------------------------
+
+
+def test_app_pyproject_declares_the_components_and_every_default() -> None:
+    project = tomllib.loads((APP / "pyproject.toml").read_text())
+    flwr = project["tool"]["flwr"]
+    assert flwr["app"]["components"] == {
+        "serverapp": "fedfm_strategies.double_blind:app",
+        "clientapp": "fedfm_clients.double_blind:app",
+    }
+    assert flwr["app"]["config"] == DEFAULTS
+    assert "federations" not in flwr  # flwr run would migrate (rewrite) a legacy table
+
+
+def test_run_config_is_checked() -> None:
+    settings = app_settings({"rounds": 3, "dirichlet-alpha": 1, "timeout": 0.0})
+    assert settings.protocol.rounds == 3 and settings.federation.alpha == 1.0
+    assert settings.timeout is None and settings.checkpoint_dir is None
+    assert settings.distill_run.image_size is None  # 0: the model's own input size
+    with pytest.raises(ConfigError, match="unknown run config keys"):
+        app_settings({"round": 3})
+    with pytest.raises(ConfigError, match="'rounds' must be int"):
+        app_settings({"rounds": "3"})
+    with pytest.raises(ConfigError, match="below the minimum"):
+        app_settings({"batch-size": 8})
+
+
+# -- codec --------------------------------------------------------------------------------------
+
+
+def test_envelope_travels_as_a_flower_message_and_back() -> None:
+    arrays = {
+        "values": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "key_id": np.frombuffer(b"\x00\xffkey", dtype=np.uint8).copy(),
+        "steps": np.array([[2, 0, 1]], dtype=np.int64),
+        "scalar": np.array(7, dtype=np.int64),
+    }
+    config = {"context": b"\x00\x01bytes", "name": "x", "count": 3, "loss": 0.25, "flag": True}
+    sent = Envelope(TRAIN_BLOCK, 42, 5, arrays, config)
+    request = wire(envelope_to_message(sent))
+    assert request.metadata.message_type == TRAIN_BLOCK
+    assert request.metadata.dst_node_id == 42 and request.metadata.group_id == "5"
+    received = message_to_envelope(request, request.metadata.dst_node_id)
+    assert received.config == config
+    assert [type(v) for v in received.config.values()] == [bytes, str, int, float, bool]
+    assert set(received.arrays) == set(arrays)
+    for name, array in arrays.items():
+        assert received.arrays[name].dtype == array.dtype
+        np.testing.assert_array_equal(received.arrays[name], array)
+
+    reply = wire(envelope_to_reply(Envelope(TRAIN_BLOCK, 42, 5, arrays, {"ok": 1}), request))
+    assert reply.metadata.src_node_id == 42
+    back = message_to_envelope(reply, reply.metadata.src_node_id)
+    assert (back.node_id, back.round, back.config) == (42, 5, {"ok": 1})
+
+
+def test_codec_names_what_it_cannot_carry() -> None:
+    with pytest.raises(ProtocolError, match="NoneType"):
+        envelope_to_message(Envelope(SETUP, 1, 0, {}, {"seed": None}))  # type: ignore[dict-item]
+    request = envelope_to_message(Envelope(SETUP, 1, 0))
+    with pytest.raises(ProtocolError, match="cannot answer"):
+        envelope_to_reply(Envelope(TRAIN_LOSS, 1, 0), request)
+    error = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"), reply_to=request)
+    with pytest.raises(ProtocolError, match="boom"):
+        message_to_envelope(error, 1)
+    with pytest.raises(ProtocolError, match="lacks"):
+        message_to_envelope(Message(RecordDict(), dst_node_id=1, message_type=SETUP), 1)
+
+
+def test_client_state_round_trips_through_context_state() -> None:
+    state = ClientState(
+        stage="train",
+        round=3,
+        block=2,
+        config={"rank": 8, "lr": 0.05, "permute": True, "backend": "simulate", "blob": b"\x00k"},
+        arrays={
+            "key.secret": np.arange(32, dtype=np.uint8),
+            "block1.0": np.ones((2, 3, 4), dtype=np.float32),
+            "perm.steps.0": np.arange(6, dtype=np.int64).reshape(2, 3),
+        },
+    )
+    context = node_context(9, 0, {})
+    assert load_state(context.state) == ClientState()
+    save_state(state, context.state)
+    restored = load_state(context_from_proto(context_to_proto(context)).state)
+    assert (restored.stage, restored.round, restored.block) == ("train", 3, 2)
+    assert restored.config == state.config
+    assert set(restored.arrays) == set(state.arrays)
+    for name, array in state.arrays.items():
+        assert restored.arrays[name].dtype == array.dtype
+        np.testing.assert_array_equal(restored.arrays[name], array)
+
+
+# -- ClientApp ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server_model(student_dir):
+    return load_student(student_dir / "student.pt")
+
+
+def ask(context: Context, envelope: Envelope) -> Message:
+    """Send one envelope through the ClientApp as a Flower runtime would; the reply as received."""
+    return wire(client_app(wire(envelope_to_message(envelope)), context))
+
+
+def test_client_app_runs_setup_and_a_round_and_the_key_stays_in_context_state(
+    student_dir, server_model
+) -> None:
+    context = node_context(42, 1, run_config(student_dir))
+    server = DoubleBlindServer(
+        server_model,
+        DoubleBlindConfig(rounds=1, batches_per_round=1),
+        SimulateBackend(),
+        num_classes=10,
+        **QUIET,
+    )
+    replies = [ask(context, server.setup_request(42))]
+    server.on_setup(message_to_envelope(replies[-1], 42))
+    request = server.start("train", 42, 1, server.initial_arrays(96))
+    while isinstance(request, Envelope):
+        replies.append(ask(context, request))
+        request = server.on_reply(message_to_envelope(replies[-1], 42))
+    assert isinstance(request, ClientUpdate) and request.num_examples == 16
+    assert [r.metadata.message_type for r in replies] == [SETUP] + [TRAIN_BLOCK] * 4 + [TRAIN_LOSS]
+
+    secret = bytes(load_state(context.state).group("key")["secret"])
+    assert len(secret) == 32
+    assert secret in context_to_proto(context).SerializeToString()
+    assert not any(carries(reply, secret) for reply in replies)
+
+
+def test_client_app_partition_k_holds_the_in_process_client_k_data(student_dir) -> None:
+    config = run_config(student_dir)
+    settings = app_settings(config)
+    splits, _ = load_data(settings.distill_run)
+    expected = federation_data(splits, settings.federation, settings.protocol)
+    for partition in range(3):
+        role = client_role(node_context(100 + partition, partition, config))
+        assert role.partition_id == partition
+        np.testing.assert_array_equal(role.data.train_labels, expected[partition].train_labels)
+        np.testing.assert_array_equal(role.data.eval_images, expected[partition].eval_images)
+    with pytest.raises(ConfigError, match="partition-id"):
+        client_role(Context(1, 1, {}, RecordDict(), config))
+
+
+def test_refused_messages_get_an_error_reply_and_leave_context_state_alone(
+    student_dir, server_model
+) -> None:
+    context = node_context(42, 0, run_config(student_dir))
+    server = DoubleBlindServer(
+        server_model, DoubleBlindConfig(), SimulateBackend(), num_classes=10, **QUIET
+    )
+    assert not ask(context, server.setup_request(42)).has_error()
+    before = context_to_proto(context).SerializeToString()
+
+    reply = ask(context, Envelope(TRAIN_LOSS, 42, 1))  # a loss step before any block
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert "ProtocolError" in reply.error.reason and "cannot accept" in reply.error.reason
+    assert context_to_proto(context).SerializeToString() == before
+
+    # An action no handler is registered for: Flower's ClientApp raises, and Flower's runtimes
+    # (simulation: vce_api.worker; deployment: run_clientapp) answer with an error reply.
+    with pytest.raises(ValueError, match="No train function registered with name 'nope'"):
+        client_app(wire(envelope_to_message(Envelope("train.nope", 42, 1))), context)
+    assert context_to_proto(context).SerializeToString() == before
+
+
+# -- strategies ---------------------------------------------------------------------------------
+
+
+def updates() -> tuple[dict[str, np.ndarray], list[ClientUpdate]]:
+    rng = np.random.default_rng(0)
+    arrays = {"head.weight": rng.normal(size=(10, 96)), "head.bias": rng.normal(size=10)}
+    arrays = {name: value.astype(np.float32) for name, value in arrays.items()}
+    moved = [
+        ClientUpdate(
+            node,
+            {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in arrays.items()},
+            count,
+            1.0,
+        )
+        for node, count in ((11, 16), (12, 48), (13, 32))
+    ]
+    return arrays, moved
+
+
+def test_fedavg_through_flower_equals_fedfm_weighted_average() -> None:
+    arrays, moved = updates()
+    expected = WeightedAverage().aggregate(1, arrays, moved)
+    result = StrategyAggregator(make_strategy("fedavg")).aggregate(1, arrays, moved)
+    assert set(result) == set(expected)
+    for name in expected:
+        assert result[name].dtype == np.float32
+        np.testing.assert_array_equal(result[name], expected[name])
+
+
+def test_fedadam_needs_configure_train_and_moves_elsewhere() -> None:
+    arrays, moved = updates()
+    average = WeightedAverage().aggregate(1, arrays, moved)
+    aggregator = StrategyAggregator(make_strategy("fedadam"))
+    first = aggregator.aggregate(1, arrays, moved)
+    second = aggregator.aggregate(2, first, moved)
+    for name in arrays:
+        assert first[name].dtype == np.float32 and np.isfinite(second[name]).all()
+        assert not np.allclose(first[name], average[name])
+    np.testing.assert_array_equal(
+        aggregator.strategy.current_arrays["head.bias"], first["head.bias"]
+    )
+
+
+class RecordingFedAvg(FedAvg):
+    """A custom strategy: FedAvg that records what it was asked."""
+
+    def __init__(self) -> None:
+        super().__init__(min_available_nodes=3)
+        self.calls: list[tuple[str, int, list[int]]] = []
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self.calls.append(("configure_train", server_round, sorted(grid.get_node_ids())))
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        replies = list(replies)
+        nodes = sorted(reply.metadata.src_node_id for reply in replies)
+        self.calls.append(("aggregate_train", server_round, nodes))
+        return super().aggregate_train(server_round, replies)
+
+
+def test_custom_strategies_are_used_and_checked(monkeypatch) -> None:
+    arrays, moved = updates()
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    strategy = make_strategy(f"{Path(__file__).stem}:RecordingFedAvg")
+    result = StrategyAggregator(strategy).aggregate(4, arrays, moved)
+    assert strategy.calls == [
+        ("configure_train", 4, [11, 12, 13]),
+        ("aggregate_train", 4, [11, 12, 13]),
+    ]
+    np.testing.assert_array_equal(
+        result["head.bias"], WeightedAverage().aggregate(4, arrays, moved)["head.bias"]
+    )
+    with pytest.raises(ProtocolError, match="needs 3 nodes"):  # not a hang in configure_train
+        StrategyAggregator(RecordingFedAvg()).aggregate(1, arrays, moved[:2])
+
+    monkeypatch.syspath_prepend(str(APP))  # Flower puts the app folder on the import path
+    assert type(make_strategy("custom_strategy:LoggingFedAvg")).__name__ == "LoggingFedAvg"
+    for name, message in [
+        ("fedsgd", "unknown strategy"),
+        ("no_such_module:X", "cannot load"),
+        ("json:loads", "cannot be built without arguments"),
+        ("builtins:dict", "not a Flower Strategy"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            make_strategy(name)
+
+
+# -- the ServerApp ------------------------------------------------------------------------------
+
+
+class LoopbackGrid(Grid):
+    """Delivers every message to its node's ClientApp in this process, in Flower's wire form.
+
+    Exceptions of the ClientApp become error replies, as in Flower's runtimes; nodes in
+    ``silent`` never answer.
+    """
+
+    def __init__(self, contexts: dict[int, Context], silent: Iterable[int] = ()) -> None:
+        self.contexts, self.silent = contexts, set(silent)
+        self.replies: dict[str, Message] = {}
+        self.answered: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid4().hex  # as Flower's InMemoryGrid
+            received = wire(message)
+            node = received.metadata.dst_node_id
+            if node not in self.silent:
+                try:
+                    reply = client_app(received, self.contexts[node])
+                except Exception as error:
+                    reply = Message(
+                        Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(error)), reply_to=received
+                    )
+                self.replies[received.metadata.message_id] = wire(reply)
+                self.answered.append(self.replies[received.metadata.message_id])
+            ids.append(received.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+    def set_run(self, run):
+        raise NotImplementedError
+
+    @property
+    def run(self):
+        raise NotImplementedError
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise NotImplementedError
+
+
+def loopback(config: dict[str, object], silent: Iterable[int] = ()) -> LoopbackGrid:
+    # node ids in the opposite order of the partitions: the server must order by partition id
+    return LoopbackGrid(
+        {900 - 7 * k: node_context(900 - 7 * k, k, config) for k in range(3)}, silent
+    )
+
+
+def test_server_app_over_flower_messages_equals_the_in_process_run(student_dir) -> None:
+    config = run_config(student_dir, **{"checkpoint-dir": str(student_dir / "checkpoint")})
+    grid = loopback(config)
+    history = run_adaptation(grid, config, **QUIET)
+
+    settings = app_settings(config)
+    splits, _ = load_data(settings.distill_run)
+    expected, _ = run_in_process(
+        load_student(student_dir / "student.pt"),
+        splits,
+        settings.protocol,
+        settings.federation,
+        **QUIET,
+    )
+    assert [r.round for r in history] == [1, 2]
+    for ours, theirs in zip(history, expected, strict=True):
+        assert ours.balanced_accuracy == theirs.balanced_accuracy
+        assert ours.train_loss == theirs.train_loss
+        assert (ours.clients_trained, ours.clients_evaluated) == (3, 3)
+    saved = json.loads((student_dir / "checkpoint" / "state.json").read_text())
+    assert saved["identity"]["strategy"] == "fedavg" and saved["round"] == 2
+    # no reply of the whole run carries any client's secret key
+    for context in grid.contexts.values():
+        secret = bytes(load_state(context.state).group("key")["secret"])
+        assert not any(carries(reply, secret) for reply in grid.answered)
+
+
+def test_flower_transport_turns_silence_and_errors_into_failures(student_dir) -> None:
+    grid = loopback(run_config(student_dir), silent=[900])
+    transport = FlowerTransport(grid, poll_interval=0.01)
+    envelopes = [Envelope(TRAIN_LOSS, 893, 1), Envelope(SETUP, 886, 0), Envelope(SETUP, 900, 0)]
+    refused, setup, silent = transport.send_and_receive(envelopes, timeout=0.05)
+    assert isinstance(refused, Failure) and "cannot accept" in refused.reason
+    assert isinstance(setup, Envelope) and setup.node_id == 886
+    assert silent == Failure(900, "no reply before the timeout")
+    with pytest.raises(ProtocolError, match="one envelope per node"):
+        transport.send_and_receive(envelopes[:1] * 2, timeout=None)
+
+    # the silent node fails setup after the timeout; the run goes on with the other two
+    history = run_adaptation(grid, run_config(student_dir, rounds=1, timeout=1.0), **QUIET)
+    assert (history[0].clients_trained, history[0].clients_evaluated) == (2, 2)
+
+
+# -- flwr run ------------------------------------------------------------------------------------
+
+
+def processes_with(marker: str) -> list[str]:
+    """Live processes whose environment contains ``marker`` (zombies have no environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                continue
+    return found
+
+
+def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir, tmp_path) -> None:
+    home = tmp_path / "flwr-home"
+    config = run_config(student_dir, **{"checkpoint-dir": str(tmp_path / "checkpoint")})
+    overrides = " ".join(
+        f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in config.items()
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(APP / "run.py"),
+            "--supernodes",
+            "3",
+            "--flwr-home",
+            str(home),
+            "--run-config",
+            overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "flwr run: finished:completed; SuperLink stopped" in output
+    for round_number in (1, 2):
+        assert f"round {round_number}/2 [simulate]" in output and "balanced accuracy" in output
+    assert processes_with(f"FLWR_HOME={home}") == []
+
+    history = json.loads((tmp_path / "checkpoint" / "state.json").read_text())["history"]
+    settings = app_settings(config)
+    splits, _ = load_data(settings.distill_run)
+    expected, _ = run_in_process(
+        load_student(student_dir / "student.pt"),
+        splits,
+        settings.protocol,
+        settings.federation,
+        **QUIET,
+    )
+    for ours, theirs in zip(history, expected, strict=True):
+        # Same data, batches, permutations and arithmetic; but the ClientApps run in a Ray
+        # worker whose torch may use another thread count, which can change the summation
+        # order of float reductions. The metrics are ratios of counts and match exactly.
+        assert ours["balanced_accuracy"] == theirs.balanced_accuracy
+        assert ours["accuracy"] == theirs.accuracy
+        assert ours["train_loss"] == pytest.approx(theirs.train_loss, rel=1e-5)
