@@ -45,8 +45,10 @@ class DoubleBlindConfig:
     eval_fraction:
         Share of each client's data held out for evaluation.
     seed:
-        Seeds the server's sampling and permutations and the adapter initialisation; ``None``
-        draws them from the operating system (what a deployment should do).
+        Seeds the server's sampling and permutations and the adapter initialisation. The
+        default ``None`` draws them from the operating system, which is what a deployment
+        needs (anyone who knows the seed can recompute the permutations); experiments pass a
+        seed to be reproducible.
     """
 
     rounds: int = 20
@@ -60,7 +62,7 @@ class DoubleBlindConfig:
     permute: bool = True
     backend: str = "simulate"
     eval_fraction: float = 0.2
-    seed: int | None = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
