@@ -34,24 +34,22 @@ protocol default is 0.05 (the paper's 0.001 scaled up for 20 rounds of a single 
 from __future__ import annotations
 
 import copy
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedfm.data import DataSplits
-from fedfm.errors import CheckpointError, ConfigError
+from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.client import ClientData
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
-from fedfm.protocols.double_blind.driver import RoundRecord
+from fedfm.protocols.double_blind.driver import RoundRecord, RunState, load_state, save_state
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.server import balanced_accuracy
 from fedfm.protocols.transport import InProcessTransport
@@ -143,43 +141,6 @@ def _confusion(model: FheViT, data: ClientData, num_classes: int) -> np.ndarray:
     return confusion
 
 
-def _save(
-    path: Path,
-    round_: int,
-    state: dict[str, torch.Tensor],
-    history: list[RoundRecord],
-    identity: dict[str, Any],
-) -> None:
-    """Write the global weights and the history atomically (resume after ``round_``)."""
-    path.mkdir(parents=True, exist_ok=True)
-    weights_tmp, meta_tmp = path / "global.partial.pt", path / "state.partial.json"
-    torch.save(state, weights_tmp)
-    meta = {"identity": identity, "round": round_, "history": [asdict(r) for r in history]}
-    meta_tmp.write_text(json.dumps(meta, indent=2))
-    weights_tmp.replace(path / "global.pt")
-    meta_tmp.replace(path / "state.json")
-
-
-def _load(
-    path: Path, identity: dict[str, Any]
-) -> tuple[int, dict[str, torch.Tensor], list[RoundRecord]] | None:
-    """The saved round, weights and history of a run with the same identity, if any."""
-    meta_path = path / "state.json"
-    if not meta_path.exists():
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-        state = torch.load(path / "global.pt", map_location="cpu", weights_only=True)
-        history = [RoundRecord(**record) for record in meta["history"]]
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise CheckpointError(f"saved run state in {path} is unreadable: {error}") from error
-    if meta.get("identity") != identity:
-        raise CheckpointError(
-            f"{path} holds a run with other settings; use another checkpoint folder or remove it"
-        )
-    return int(meta["round"]), state, history
-
-
 def run_full_finetune(
     student: FheViT,
     splits: DataSplits,
@@ -211,12 +172,13 @@ def run_full_finetune(
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     history: list[RoundRecord] = []
     start_round = 1
-    saved = _load(checkpoint_dir, identity) if checkpoint_dir is not None else None
-    if saved is not None:
-        done, global_state, history = saved
-        start_round = done + 1
-        log(f"[fedfm] resuming after round {done} from {checkpoint_dir}")
     rng = np.random.default_rng(config.seed)
+    saved = load_state(checkpoint_dir, identity) if checkpoint_dir is not None else None
+    if saved is not None:
+        global_state = {k: torch.from_numpy(v) for k, v in saved.global_arrays.items()}
+        history, start_round = saved.history, saved.round + 1
+        rng.bit_generator.state = saved.rng_state
+        log(f"[fedfm] resuming after round {saved.round} from {checkpoint_dir}")
     momenta: dict[int, list[torch.Tensor]] = {}
     n = config.batch_size
     log(
@@ -275,7 +237,9 @@ def run_full_finetune(
         )
         history.append(record)
         if checkpoint_dir is not None:
-            _save(checkpoint_dir, server_round, global_state, history, identity)
+            arrays = {k: v.numpy() for k, v in global_state.items()}
+            state = RunState(server_round, arrays, history, rng.bit_generator.state)
+            save_state(checkpoint_dir, state, identity)
         log(
             f"[fedfm] round {server_round}/{config.rounds} [full fine-tuning, plaintext]: "
             f"train loss {record.train_loss:.4f}, balanced accuracy "

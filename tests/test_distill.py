@@ -7,7 +7,6 @@ pretrained once per module for about a second, so the whole file takes a few sec
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -90,13 +89,7 @@ class InterruptAfterSaves:
             raise KeyboardInterrupt
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Leave the second core to whoever shares the machine; also keeps runs reproducible."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
