@@ -425,20 +425,26 @@ def loopback(config: dict[str, object], silent: Iterable[int] = ()) -> LoopbackG
     )
 
 
-def test_server_app_over_flower_messages_equals_the_in_process_run(student_dir) -> None:
-    config = run_config(student_dir, **{"checkpoint-dir": str(student_dir / "checkpoint")})
-    grid = loopback(config)
-    history = run_adaptation(grid, config, **QUIET)
-
+def in_process_history(config: dict, student_dir: Path) -> list:
+    """The in-process runner's history for the same run config and student."""
     settings = app_settings(config)
     splits, _ = load_data(settings.distill_run)
-    expected, _ = run_in_process(
+    history, _ = run_in_process(
         load_student(student_dir / "student.pt"),
         splits,
         settings.protocol,
         settings.federation,
         **QUIET,
     )
+    return history
+
+
+def test_server_app_over_flower_messages_equals_the_in_process_run(student_dir) -> None:
+    config = run_config(student_dir, **{"checkpoint-dir": str(student_dir / "checkpoint")})
+    grid = loopback(config)
+    history = run_adaptation(grid, config, **QUIET)
+
+    expected = in_process_history(config, student_dir)
     assert [r.round for r in history] == [1, 2]
     for ours, theirs in zip(history, expected, strict=True):
         assert ours.balanced_accuracy == theirs.balanced_accuracy
@@ -514,15 +520,7 @@ def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir
     assert processes_with(f"FLWR_HOME={home}") == []
 
     history = json.loads((tmp_path / "checkpoint" / "state.json").read_text())["history"]
-    settings = app_settings(config)
-    splits, _ = load_data(settings.distill_run)
-    expected, _ = run_in_process(
-        load_student(student_dir / "student.pt"),
-        splits,
-        settings.protocol,
-        settings.federation,
-        **QUIET,
-    )
+    expected = in_process_history(config, student_dir)
     for ours, theirs in zip(history, expected, strict=True):
         # Same data, batches, permutations and arithmetic; but the ClientApps run in a Ray
         # worker whose torch may use another thread count, which can change the summation
