@@ -27,6 +27,7 @@ from fedfm.pipeline import DistillRun, load_data
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
+    REFRESH,
     SETUP,
     TRAIN_BLOCK,
     TRAIN_LOSS,
@@ -122,6 +123,6 @@ def handle(message: Message, context: Context) -> Message:
 
 app = ClientApp()
 _REGISTER = {"train": app.train, "evaluate": app.evaluate, "query": app.query}
-for _message_type in (SETUP, TRAIN_BLOCK, TRAIN_LOSS, EVALUATE_BLOCK):
+for _message_type in (SETUP, TRAIN_BLOCK, TRAIN_LOSS, EVALUATE_BLOCK, REFRESH):
     _category, _action = _message_type.split(".")
     _REGISTER[_category](_action)(handle)

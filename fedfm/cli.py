@@ -52,7 +52,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, protocol: bool = Fals
     data.add_argument(
         "--model",
         default="vit_fedfm_tiny",
-        help="embedded ViT (vit_fedfm_tiny, vit_fedfm_small) or a timm ViT name",
+        help="embedded ViT (vit_fedfm_tiny, vit_fedfm_micro, vit_fedfm_small) or a timm ViT name",
     )
     data.add_argument(
         "--checkpoint",
@@ -301,6 +301,19 @@ def _bench_extraction(args: argparse.Namespace) -> None:
     )
 
 
+def _bench_ckks(args: argparse.Namespace) -> None:
+    from fedfm.bench_ckks import run_ckks_benchmark
+
+    run_ckks_benchmark(
+        _run_from_args(args, args.workdir),
+        backend_name=args.backend,
+        batch_sizes=args.batch_sizes,
+        block=args.block - 1,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedfm", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -384,6 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-mlp", action="store_true", help="skip the MLP fit of attack (b) (faster)"
     )
     bench_extraction.set_defaults(handler=_bench_extraction)
+
+    bench_ckks = commands.add_parser(
+        "bench-ckks", help="one encrypted block under CKKS: time, refreshes, bytes, error"
+    )
+    _add_run_arguments(bench_ckks)
+    bench_ckks.add_argument("--workdir", type=Path, default=Path("runs/distill"))
+    bench_ckks.add_argument("--backend", default="ckks", help="ckks (N=16384) or ckks-8192")
+    bench_ckks.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[16, 64, 256], help="samples per batch"
+    )
+    bench_ckks.add_argument("--block", type=int, default=1, help="which block (1-based)")
+    bench_ckks.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench_ckks.set_defaults(handler=_bench_ckks)
     return parser
 
 

@@ -1,7 +1,9 @@
-"""The TenSEAL CKKS backend: keys, transport checks and the encrypted loss.
+"""The TenSEAL CKKS backend: keys, packing, transport checks, encrypted ViT blocks and the loss.
 
-Tolerances: CKKS at scale 2^40 ([60, 40, 40, 60], N = 8192) decrypts fresh values to about 1e-6
-and the two-level loss to about 1e-5; the tests allow 1e-4 absolute for both.
+Most tests use :data:`CKKS_8192_REFRESH` (N = 8192, one rescale between refreshes) on a tiny
+ViT (width 8, 2 heads, 5 tokens): every code path runs, with many refreshes, in seconds.
+Tolerances: fresh values decrypt to about 1e-9; an encrypted block matches the plaintext
+polynomial model to about 1e-6 of its output range (the tests allow 1e-4 of the range).
 """
 
 from __future__ import annotations
@@ -9,193 +11,255 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tenseal as ts
+import torch
+from timm.models.vision_transformer import VisionTransformer
 
-from fedfm.crypto import BACKENDS, CKKS_8192, CkksParameters
-from fedfm.crypto.ckks import CkksBackend, CkksEvaluator, CkksKeyOwner, _digest, summing_steps
+from fedfm.approx import calibrate
+from fedfm.approx.modules import clamped_count, reset_clamped
+from fedfm.approx.specs import ApproxConfig
+from fedfm.crypto import (
+    BACKENDS,
+    CKKS_8192,
+    CKKS_8192_REFRESH,
+    CKKS_16384,
+    CkksParameters,
+    ModelGeometry,
+    run_locally,
+)
+from fedfm.crypto.backend import drive
+from fedfm.crypto.ckks import CkksBackend, CkksEvaluator, CkksKeyOwner, _digest, patchify
+from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.simulate import SimulateBackend
-from fedfm.errors import CryptoParameterError, ProtocolError
+from fedfm.errors import CryptoParameterError, ModelError, ProtocolError
+from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 
+GEOMETRY = ModelGeometry(tokens=5, patch_size=4)
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
 def backend() -> CkksBackend:
-    return CkksBackend(CKKS_8192)
+    return CkksBackend(CKKS_8192_REFRESH)
 
 
 @pytest.fixture(scope="module")
 def owner(backend: CkksBackend) -> CkksKeyOwner:
-    return backend.create_key_owner()
+    return backend.create_key_owner(geometry=GEOMETRY)
 
 
 @pytest.fixture(scope="module")
 def evaluator(backend: CkksBackend, owner: CkksKeyOwner) -> CkksEvaluator:
-    return backend.create_evaluator(owner.public_context())
+    return backend.create_evaluator(owner.public_context(), GEOMETRY)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[FheViT, torch.Tensor]:
+    """A calibrated FHE-friendly ViT on 8x8 images in 4x4 patches (5 tokens) and its images."""
+    torch.manual_seed(0)
+    vit = VisionTransformer(
+        img_size=8, patch_size=4, embed_dim=8, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=3
+    )
+    with torch.no_grad():  # timm's tiny initial class token would leave LayerNorm's domain
+        vit.pos_embed.normal_(0.0, 0.5)
+        vit.cls_token.normal_(0.0, 1.0)
+    model = to_fhe_friendly(vit, ApproxConfig()).eval()
+    images = torch.rand(24, 3, 8, 8)
+    calibrate(model, [images])
+    return model, images
 
 
 def _values(*shape: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-5.0, 5.0, size=shape)
 
 
-def _with_digest(payload: dict[str, np.ndarray], blob: bytes) -> dict[str, np.ndarray]:
-    """``payload`` with another blob and a matching digest: what a careful forger would send."""
-    fingerprint = payload["context"].tobytes()
-    digest = _digest(fingerprint, payload["shape"], blob)
-    return {
-        **payload,
-        "blob": np.frombuffer(blob, dtype=np.uint8),
-        "digest": np.frombuffer(digest, dtype=np.uint8),
-    }
-
-
-def test_backend_is_not_selectable_yet(evaluator: CkksEvaluator, owner: CkksKeyOwner) -> None:
-    assert "ckks" not in BACKENDS
-    batch = owner.encrypt(_values(1, 4))
-    with pytest.raises(NotImplementedError, match="issue 4"):
-        evaluator.embed(None, batch)  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="issue 4"):
-        evaluator.evaluate_block(None, 0, batch)  # type: ignore[arg-type]
-
-
-def test_round_trip_through_a_payload(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
-    values = _values(3, 2, 5)
-    batch = owner.encrypt(values)
-    assert batch.shape == (3, 2, 5)
-    received = evaluator.load(batch.to_payload())
-    returned = owner.load(received.to_payload())
-    np.testing.assert_allclose(owner.decrypt(returned), values, atol=TOLERANCE, rtol=0)
-
-
-def test_samples_wider_than_the_slots_are_chunked(owner: CkksKeyOwner) -> None:
-    values = _values(1, CKKS_8192.slots + 10)
-    batch = owner.load(owner.encrypt(values).to_payload())
-    np.testing.assert_allclose(owner.decrypt(batch), values, atol=TOLERANCE, rtol=0)
-
-
-def test_nbytes_is_the_payload_size(owner: CkksKeyOwner) -> None:
-    batch = owner.encrypt(_values(2, 10))
-    payload = batch.to_payload()
-    assert batch.nbytes == sum(array.nbytes for array in payload.values())
-    # Fresh ciphertexts are compressed below the uncompressed size the simulate backend counts.
-    assert CKKS_8192.ciphertext_bytes / 2 < batch.nbytes / 2 < CKKS_8192.ciphertext_bytes
-
-
-def test_public_context_holds_no_secret_key(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
-    assert not evaluator._context.is_private()
-    public = ts.context_from(owner.public_context())
-    assert not public.is_private() and not public.has_secret_key()
-    assert public.has_relin_keys() and public.has_galois_keys()
-    vector = ts.ckks_vector_from(public, owner.encrypt(_values(1, 3)).vectors[0].serialize())
-    with pytest.raises(ValueError, match="secret"):
-        vector.decrypt()
-    assert not hasattr(CkksEvaluator, "decrypt")
-    # Only the summing rotation keys: TenSEAL's default Galois set alone is about 35 MB.
-    assert len(owner.public_context()) < 5_000_000
-
-
-def test_evaluator_refuses_a_context_with_the_secret_key(
-    backend: CkksBackend, owner: CkksKeyOwner
-) -> None:
-    private = owner.secret_state()["context"].tobytes()
-    with pytest.raises(CryptoParameterError, match="secret key"):
-        backend.create_evaluator(private)
-    with pytest.raises(CryptoParameterError, match="not a valid"):
-        backend.create_evaluator(b"not a context")
-
-
-def test_secret_state_restores_the_owner(backend: CkksBackend, owner: CkksKeyOwner) -> None:
-    values = _values(2, 3)
-    payload = owner.encrypt(values).to_payload()
-    restored = backend.restore_key_owner(owner.secret_state())
-    assert restored.public_context() == owner.public_context()
-    np.testing.assert_allclose(
-        restored.decrypt(restored.load(payload)), values, atol=TOLERANCE, rtol=0
-    )
-
-
-def test_insecure_parameters_need_the_unsafe_switch() -> None:
-    insecure = CkksParameters(4096, (60, 40, 40, 60), 40)
-    with pytest.raises(CryptoParameterError, match="128-bit"):
-        CkksBackend(insecure)
+def test_backend_is_registered_and_parameters_are_checked() -> None:
+    for name, params in (("ckks", CKKS_16384), ("ckks-8192", CKKS_8192_REFRESH)):
+        registered = BACKENDS[name]()
+        assert isinstance(registered, CkksBackend) and registered.params == params
+        assert registered.name == name
+    assert CKKS_16384.modulus_bits == 438 and CKKS_16384.secure_128
+    assert CKKS_16384.levels_between_refreshes == 7
+    with pytest.raises(CryptoParameterError, match="below 128-bit security"):
+        CkksBackend(CkksParameters(8192, (60, 60, 60, 60), 40))
+    with pytest.raises(CryptoParameterError, match="no level between refreshes"):
+        CkksBackend(CkksParameters(8192, (60, 40, 60), 40))
     with pytest.warns(UserWarning, match="INSECURE"):
-        unsafe = CkksBackend(insecure, allow_insecure=True)
-    # SEAL inside TenSEAL enforces the same bound: key generation still fails, clearly.
+        insecure = CkksBackend(CkksParameters(8192, (60, 60, 60, 60), 40), allow_insecure=True)
     with pytest.raises(CryptoParameterError, match="SEAL refused"):
-        unsafe.create_key_owner()
+        insecure.create_key_owner()
 
 
-def test_foreign_key_is_rejected(
+def test_layout_packs_tokens_with_copies_and_unpacks() -> None:
+    layout = SlotLayout.for_tokens(4096, 5)
+    assert (layout.group, layout.capacity) == (9, 256)
+    values = _values(300, 5, 3)
+    slots = layout.pack(values)
+    assert slots.shape == (3, 2, 4096)
+    np.testing.assert_array_equal(layout.unpack(slots, 300), values)
+    # sample 1's group starts at slot 9: tokens 0..4 then copies of tokens 0..3
+    np.testing.assert_array_equal(slots[0, 0, 9:18], np.r_[values[1, :, 0], values[1, :4, 0]])
+    assert layout.rotation_steps() == sorted(
+        {1, 2, 4, -5} | {s * 9 * 2**j for j in range(8) for s in (1, -1)}
+    )
+    with pytest.raises(ProtocolError, match="5-token groups"):
+        layout.pack(_values(2, 4, 3))
+
+
+def test_round_trip_and_public_context(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
+    hidden, rows = _values(7, 5, 3), _values(7, 4, seed=1)
+    for values in (hidden, rows):
+        batch = evaluator.load(owner.encrypt(values).to_payload())
+        np.testing.assert_allclose(owner.decrypt(batch), values, atol=1e-6)
+    public = ts.context_from(owner.public_context())
+    assert not public.is_private()
+    batch = owner.encrypt(rows)
+    with pytest.raises(ValueError):  # SEAL: the public context cannot decrypt
+        ts.ckks_vector_from(public, ts.ckks_vector(public, [1.0]).serialize()).decrypt()
+    assert not hasattr(evaluator, "decrypt")
+    assert batch.nbytes > 100_000  # ciphertexts, not values
+
+
+def test_payload_rejects_foreign_truncated_tampered_and_low_level(
     backend: CkksBackend, owner: CkksKeyOwner, evaluator: CkksEvaluator
 ) -> None:
-    other = backend.create_key_owner()
-    foreign = other.encrypt(_values(2, 3))
+    other = backend.create_key_owner(geometry=GEOMETRY)
     with pytest.raises(CryptoParameterError, match="another data owner"):
-        evaluator.load(foreign.to_payload())
-    with pytest.raises(CryptoParameterError, match="another data owner"):
-        owner.load(foreign.to_payload())
-    with pytest.raises(CryptoParameterError):
-        owner.decrypt(foreign)
-    with pytest.raises(CryptoParameterError):
-        evaluator.take(foreign, np.array([0]))
+        evaluator.load(other.encrypt(_values(2, 4)).to_payload())
+    payload = owner.encrypt(_values(2, 4)).to_payload()
+    truncated = {**payload, "blob": payload["blob"][:-100]}
+    with pytest.raises(ProtocolError, match="digest"):
+        evaluator.load(truncated)
+    blob = payload["blob"].copy()
+    blob[len(blob) // 2] ^= 1
+    with pytest.raises(ProtocolError, match="digest"):
+        evaluator.load({**payload, "blob": blob})
+    forged = bytes(blob)  # a forger who recomputes the digest still meets SEAL's validation
+    digest = _digest(payload["context"].tobytes(), payload["shape"], payload["layout"], forged)
+    with pytest.raises(ProtocolError):
+        evaluator.load({**payload, "digest": np.frombuffer(digest, np.uint8)})
+    lowered = drive(evaluator.take(evaluator.load(payload), np.array([1, 0])), lambda _: [])
+    with pytest.raises(ProtocolError, match="top level"):
+        evaluator.load(lowered.to_payload())  # an upload below the top level is refused
+    assert owner.decrypt(owner.load(lowered.to_payload())).shape == (2, 4)
 
 
-def test_truncated_and_tampered_payloads_are_rejected(
-    owner: CkksKeyOwner, evaluator: CkksEvaluator
+def test_take_selects_and_permutes(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
+    values = _values(40, 5, 2)
+    batch = owner.encrypt(values)
+    for order in (np.array([3, 0, 39, 7]), np.random.default_rng(1).permutation(40)):
+        taken = run_locally(evaluator.take(batch, order), evaluator, owner)
+        assert taken.shape == (order.size, 5, 2)
+        np.testing.assert_allclose(owner.decrypt(taken), values[order], atol=1e-5)
+    with pytest.raises(ProtocolError, match="distinct"):
+        run_locally(evaluator.take(batch, np.array([1, 1])), evaluator, owner)
+
+
+def test_embedding_and_blocks_match_the_plaintext_model(
+    tiny: tuple[FheViT, torch.Tensor], owner: CkksKeyOwner, evaluator: CkksEvaluator
 ) -> None:
-    payload = owner.encrypt(_values(2, 3)).to_payload()
-    blob = payload["blob"].tobytes()
-    with pytest.raises(ProtocolError, match="digest"):
-        evaluator.load({**payload, "blob": payload["blob"][:-100]})
-    tampered = payload["blob"].copy()
-    tampered[len(blob) // 2] ^= 0xFF
-    with pytest.raises(ProtocolError, match="digest"):
-        evaluator.load({**payload, "blob": tampered})
-    # With a recomputed digest the framing and TenSEAL's own checks still catch the damage.
-    with pytest.raises(ProtocolError, match="truncated"):
-        evaluator.load(_with_digest(payload, blob[:-100]))
-    header_broken = blob[:8] + bytes(16) + blob[24:]
-    with pytest.raises(ProtocolError, match="malformed"):
-        evaluator.load(_with_digest(payload, header_broken))
-    with pytest.raises(ProtocolError, match="lacks"):
-        evaluator.load({"blob": payload["blob"]})
-
-
-def test_take_selects_and_reorders(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
-    values = _values(4, 3)
-    taken = evaluator.take(owner.encrypt(values), np.array([2, 0, 2]))
-    assert taken.shape == (3, 3)
-    np.testing.assert_allclose(owner.decrypt(taken), values[[2, 0, 2]], atol=TOLERANCE, rtol=0)
-    with pytest.raises(ProtocolError, match="out of range"):
-        evaluator.take(taken, np.array([3]))
-
-
-def test_cross_entropy_matches_simulate(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
-    rng = np.random.default_rng(1)
-    logits = rng.normal(0.0, 2.0, size=(5, 10))
-    log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-    p = np.exp(log_p)
-    y = np.eye(10)[rng.integers(0, 10, size=5)]
-
-    simulate = SimulateBackend()
-    key = simulate.create_key_owner(seed=0)
-    expected_loss, expected_grad = simulate.create_evaluator(key.public_context()).cross_entropy(
-        key.encrypt(p), key.encrypt(log_p), key.encrypt(y)
+    model, images = tiny
+    count = 6
+    with torch.no_grad():
+        hidden = model.embed(images[:count])
+        first = model.block(0, hidden)
+        second = model.block(1, first)
+        reset_clamped(model)
+        model.block(1, model.block(0, hidden))
+    assert clamped_count(model) == 0  # the reference evaluates the same polynomials
+    embedded = run_locally(
+        evaluator.embed(model, owner.encrypt(images[:count].numpy())), evaluator, owner
+    )
+    np.testing.assert_allclose(owner.decrypt(embedded), hidden.numpy(), atol=1e-5)
+    before = evaluator.circuit.stats.refreshes
+    out = run_locally(evaluator.evaluate_block(model, 0, embedded), evaluator, owner)
+    assert evaluator.circuit.stats.refreshes > before
+    got = owner.decrypt(out)
+    span = float(first.abs().max())
+    assert np.abs(got - first.numpy()).max() <= TOLERANCE * span
+    # chained without the client: the token copies are rebuilt on the server
+    assert not out.copies
+    out = run_locally(evaluator.evaluate_block(model, 1, out), evaluator, owner)
+    assert np.abs(owner.decrypt(out) - second.numpy()).max() <= TOLERANCE * float(
+        second.abs().max()
     )
 
-    loss, grad = evaluator.cross_entropy(owner.encrypt(p), owner.encrypt(log_p), owner.encrypt(y))
-    assert loss.shape == (1,) and grad.shape == (5, 10)
-    loss_values = owner.decrypt(owner.load(loss.to_payload()))
-    grad_values = owner.decrypt(owner.load(grad.to_payload()))
-    np.testing.assert_allclose(loss_values, key.decrypt(expected_loss), atol=TOLERANCE, rtol=0)
-    np.testing.assert_allclose(grad_values, key.decrypt(expected_grad), atol=TOLERANCE, rtol=0)
 
-
-def test_cross_entropy_refuses_rows_wider_than_its_rotation_keys(
-    owner: CkksKeyOwner, evaluator: CkksEvaluator
+def test_block_client_sees_only_masked_values(
+    tiny: tuple[FheViT, torch.Tensor], owner: CkksKeyOwner, evaluator: CkksEvaluator
 ) -> None:
-    assert summing_steps(16) == [1, 2, 4, 8] and summing_steps(17) == [1, 2, 4, 8, 16]
-    wide = owner.encrypt(np.full((1, 17), 0.5))
-    with pytest.raises(CryptoParameterError, match="rotation keys"):
-        evaluator.cross_entropy(wide, wide, wide)
-    with pytest.raises(ProtocolError, match="one shape"):
-        evaluator.cross_entropy(wide, wide, owner.encrypt(np.ones((1, 3))))
+    """Every refresh the client answers holds coefficients spread over the mask's range."""
+    model, images = tiny
+    batch = owner.encrypt(torch.no_grad()(model.embed)(images[:4]).numpy())
+    refresher, client = evaluator.circuit.refresher, owner._refresher
+    smallest = []
+
+    def refresh(items: list) -> list:
+        for item in items:
+            smallest.append(np.abs(client.observe(item).astype(float)).max())
+        return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
+
+    drive(evaluator.evaluate_block(model, 0, batch), refresh)
+    assert smallest and min(smallest) > 2.0 ** (refresher.mask_bits - 2)
+    # values of a few hundred at scale 2^40 stay hidden to 2^-40 per coefficient
+    assert refresher.statistical_distance_bound(1024.0, 2.0**40) <= 2.0**-40
+
+
+def test_encrypted_loss_matches_simulate(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(6, 3))
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    y = np.eye(3)[rng.integers(0, 3, size=6)]
+    simulate = SimulateBackend()
+    key = simulate.create_key_owner(seed=1)
+    expected = drive(
+        simulate.create_evaluator(key.public_context()).cross_entropy(
+            key.encrypt(p), key.encrypt(np.log(p)), key.encrypt(y)
+        ),
+        lambda _: [],
+    )
+    loss, grad = run_locally(
+        evaluator.cross_entropy(owner.encrypt(p), owner.encrypt(np.log(p)), owner.encrypt(y)),
+        evaluator,
+        owner,
+    )
+    np.testing.assert_allclose(owner.decrypt(loss)[0, 0], expected[0].values[0], atol=1e-4)
+    np.testing.assert_allclose(owner.decrypt(grad), expected[1].values, atol=1e-5)
+
+
+def test_models_that_are_not_polynomial_are_refused(
+    tiny: tuple[FheViT, torch.Tensor], owner: CkksKeyOwner, evaluator: CkksEvaluator
+) -> None:
+    model, images = tiny
+    exact = model.with_approx(ApproxConfig.exact())
+    batch = owner.encrypt(images[:2].numpy())
+    with pytest.raises(ModelError, match="polynomials only"):
+        run_locally(evaluator.embed(exact, batch), evaluator, owner)
+
+
+def test_restored_owner_decrypts_and_refreshes(
+    backend: CkksBackend, owner: CkksKeyOwner, evaluator: CkksEvaluator
+) -> None:
+    restored = backend.restore_key_owner(owner.secret_state())
+    values = _values(3, 5, 2)
+    np.testing.assert_allclose(restored.decrypt(owner.encrypt(values)), values, atol=1e-6)
+    with pytest.raises(ProtocolError, match="restored"):
+        restored.public_context()
+    with pytest.raises(CryptoParameterError, match="lacks"):
+        backend.restore_key_owner({})
+    with pytest.raises(CryptoParameterError):
+        CkksBackend(CKKS_8192).restore_key_owner(owner.secret_state())
+
+
+def test_patchify_matches_the_patch_embedding(tiny: tuple[FheViT, torch.Tensor]) -> None:
+    model, images = tiny
+    conv = model.vit.patch_embed.proj
+    patches = patchify(images[:2].numpy(), 4, 5)
+    weight = conv.weight.detach().numpy().reshape(conv.out_channels, -1)
+    with torch.no_grad():
+        expected = model.vit.patch_embed(images[:2]).numpy()
+    np.testing.assert_allclose(
+        patches[:, 1:] @ weight.T + conv.bias.detach().numpy(), expected, atol=1e-5
+    )
+    assert not patches[:, 0].any()
+    with pytest.raises(ProtocolError, match="patch tokens"):
+        patchify(images[:2].numpy(), 4, 17)

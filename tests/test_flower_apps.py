@@ -13,6 +13,7 @@ from uuid import uuid4
 
 import numpy as np
 import pytest
+import tenseal as ts
 import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
@@ -26,6 +27,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedfm.approx import calibrate
+from fedfm.approx.modules import clamped_count, reset_clamped
 from fedfm.crypto import SimulateBackend
 from fedfm.data import load_splits
 from fedfm.errors import ConfigError, ProtocolError
@@ -38,7 +40,7 @@ from fedfm.protocols.double_blind import (
     DoubleBlindServer,
     WeightedAverage,
 )
-from fedfm.protocols.double_blind.config import SETUP, TRAIN_BLOCK, TRAIN_LOSS
+from fedfm.protocols.double_blind.config import REFRESH, SETUP, TRAIN_BLOCK, TRAIN_LOSS
 from fedfm.protocols.double_blind.runner import federation_data, run_in_process
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
 from fedfm.protocols.transport import Envelope, Failure
@@ -528,3 +530,58 @@ def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir
         assert ours["balanced_accuracy"] == theirs.balanced_accuracy
         assert ours["accuracy"] == theirs.accuracy
         assert ours["train_loss"] == pytest.approx(theirs.train_loss, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def micro_student_dir(tmp_path_factory) -> Path:
+    """An untrained, calibrated two-block micro student on 8x8 digits (5 tokens)."""
+    folder = tmp_path_factory.mktemp("micro")
+    splits = load_splits("digits", image_size=8, max_samples=120, seed=0)
+    torch.manual_seed(0)
+    spec = ModelSpec("vit_fedfm_micro", 10, 8)
+    vit = spec.build()
+    with torch.no_grad():  # timm's tiny initial class token would leave LayerNorm's domain
+        vit.pos_embed.normal_(0.0, 0.5)
+        vit.cls_token.normal_(0.0, 1.0)
+    student = to_fhe_friendly(vit, ApproxSettings().build())
+    calibrate(student, [splits.aux.images])
+    reset_clamped(student)
+    with torch.no_grad():
+        student(splits.pool.images)
+    assert clamped_count(student) == 0  # so CKKS and simulate evaluate the same polynomials
+    save_student(folder / "student.pt", student, spec, ApproxSettings())
+    return folder
+
+
+@pytest.mark.slow
+def test_double_blind_runs_end_to_end_under_ckks_over_flower_messages(micro_student_dir) -> None:
+    """Two clients, one round, one batch of 16 under real CKKS (N = 8192, masked refreshes):
+    the same accuracy as the simulate backend and a loss within CKKS precision."""
+    config = run_config(
+        micro_student_dir,
+        **{
+            "backend": "ckks-8192",
+            "model": "vit_fedfm_micro",
+            "image-size": 8,
+            "max-samples": 120,
+            "num-clients": 2,
+            "rounds": 1,
+            "eval-fraction": 0.4,
+            "seed": 3,
+        },
+    )
+    grid = LoopbackGrid({700 + k: node_context(700 + k, k, config, count=2) for k in range(2)}, ())
+    lines: list[str] = []
+    history = run_adaptation(grid, config, log=lines.append)
+    expected = in_process_history(config | {"backend": "simulate"}, micro_student_dir)
+    assert (history[0].clients_trained, history[0].clients_evaluated) == (2, 2)
+    assert history[0].balanced_accuracy == expected[0].balanced_accuracy
+    assert abs(history[0].train_loss - expected[0].train_loss) < 1e-3
+    assert any("backend=ckks-8192" in line for line in lines)
+    refreshes = [m for m in grid.answered if m.metadata.message_type == REFRESH]
+    assert refreshes  # the server ran out of depth and the clients refreshed masked values
+    setups = [m for m in grid.answered if m.metadata.message_type == SETUP]
+    assert len(setups) == 2
+    for reply in setups:  # what the server got to evaluate with cannot decrypt
+        public = message_to_envelope(reply, reply.metadata.src_node_id).config["public_context"]
+        assert not ts.context_from(public).is_private()

@@ -10,17 +10,97 @@ A backend has two halves, as in Concrete ML's client/server split:
 Protocol code only calls these interfaces, so the ``simulate`` backend (plaintext values, the same
 flow and message sizes) and an encrypted backend are interchangeable. Encrypted batches travel as
 ``payload`` dictionaries of numpy arrays (:meth:`EncryptedBatch.to_payload`).
+
+Evaluation may run out of multiplicative depth in the middle of a block. The evaluator's methods
+therefore return a :data:`Work`: a generator that yields *refresh requests* (masked ciphertexts
+for the data owner, :meth:`Evaluator.refresh_payload`), is sent the data owner's answer
+(:meth:`KeyOwner.refresh`, read back with :meth:`Evaluator.refreshed`) and finally returns its
+result. :func:`lockstep` merges the works of several batches so that their refreshes share round
+trips. The server turns each request into a message; :func:`run_locally` answers them in process
+(tests, benchmarks). The ``simulate`` backend never refreshes: its works finish at once.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from fedfm.errors import ProtocolError
+
 if TYPE_CHECKING:
     from fedfm.models.fhe_vit import FheViT
+
+
+R = TypeVar("R")
+Work = Generator[list[Any], list[Any], R]
+"""A computation that may yield ciphertexts to refresh and be sent the fresh ones."""
+
+
+def finished(value: R) -> Work[R]:
+    """A :data:`Work` that needs no refresh."""
+    return value
+    yield  # pragma: no cover - makes this function a generator
+
+
+def lockstep(works: Sequence[Work[Any]]) -> Work[list[Any]]:
+    """One work that runs ``works`` together: their pending refreshes travel in one request.
+
+    Each yield concatenates the items of every waiting work (in order); the fresh items sent
+    back are split among them the same way. Returns the works' results in order.
+    """
+    results: list[Any] = [None] * len(works)
+    pending: dict[int, list[Any]] = {}
+    for index, work in enumerate(works):
+        try:
+            pending[index] = next(work)
+        except StopIteration as stop:
+            results[index] = stop.value
+    while pending:
+        order = sorted(pending)
+        flat = [item for index in order for item in pending[index]]
+        fresh = yield flat
+        if len(fresh) != len(flat):
+            raise ProtocolError(f"refresh returned {len(fresh)} items for {len(flat)}")
+        offset = 0
+        waiting: dict[int, list[Any]] = {}
+        for index in order:
+            count = len(pending[index])
+            try:
+                waiting[index] = works[index].send(list(fresh[offset : offset + count]))
+            except StopIteration as stop:
+                results[index] = stop.value
+            offset += count
+        pending = waiting
+    return results
+
+
+def drive(work: Work[R], refresh: Callable[[list[Any]], list[Any]]) -> R:
+    """Finish ``work``, answering each refresh request with ``refresh``."""
+    try:
+        items = next(work)
+        while True:
+            items = work.send(refresh(items))
+    except StopIteration as stop:
+        return stop.value
+
+
+def run_locally(work: Work[R], evaluator: Evaluator, owner: KeyOwner) -> R:
+    """Finish ``work`` answering its refreshes with ``owner`` in process (tests, benchmarks)."""
+    return drive(
+        work, lambda items: evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
+    )
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What a data owner needs to lay out its data for the server's model (sent at setup)."""
+
+    tokens: int
+    patch_size: int
 
 
 class EncryptedBatch(ABC):
@@ -64,6 +144,10 @@ class KeyOwner(ABC):
     def secret_state(self) -> dict[str, np.ndarray]:
         """Arrays that restore this owner (secret key included): kept on the client only."""
 
+    def refresh(self, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Answer a refresh request: re-encrypt the masked ciphertexts at the top level."""
+        raise ProtocolError(f"the {self.backend} backend never asks for refreshes")
+
 
 class Evaluator(ABC):
     """The server's half: built from public bytes, it can compute on but never decrypt batches."""
@@ -75,15 +159,17 @@ class Evaluator(ABC):
         """Rebuild a batch received in a message, checking it belongs to this context."""
 
     @abstractmethod
-    def take(self, batch: EncryptedBatch, indices: np.ndarray) -> EncryptedBatch:
-        """The samples ``indices`` of ``batch``, in that order (selection and permutation)."""
+    def take(self, batch: EncryptedBatch, indices: np.ndarray) -> Work[EncryptedBatch]:
+        """The samples ``indices`` (distinct) of ``batch`` in that order: selection, permutation."""
 
     @abstractmethod
-    def embed(self, model: FheViT, images: EncryptedBatch) -> EncryptedBatch:
+    def embed(self, model: FheViT, images: EncryptedBatch) -> Work[EncryptedBatch]:
         """The embedding ``b_0`` of encrypted images."""
 
     @abstractmethod
-    def evaluate_block(self, model: FheViT, index: int, hidden: EncryptedBatch) -> EncryptedBatch:
+    def evaluate_block(
+        self, model: FheViT, index: int, hidden: EncryptedBatch
+    ) -> Work[EncryptedBatch]:
         """Block ``index`` (0-based) of ``model`` on an encrypted batch of hidden states."""
 
     @abstractmethod
@@ -92,12 +178,20 @@ class Evaluator(ABC):
         probabilities: EncryptedBatch,
         log_probabilities: EncryptedBatch,
         labels: EncryptedBatch,
-    ) -> tuple[EncryptedBatch, EncryptedBatch]:
+    ) -> Work[tuple[EncryptedBatch, EncryptedBatch]]:
         """Mean cross-entropy ``-mean_i sum_c y_ic log p_ic`` and its logit gradient ``(p - y)/n``.
 
         All three inputs are ``(n, C)`` batches under the data owner's key; both outputs too
         (the loss as a ``(1,)`` batch).
         """
+
+    def refresh_payload(self, items: list[Any]) -> dict[str, np.ndarray]:
+        """The message arrays of a refresh request (the items a :data:`Work` yielded)."""
+        raise ProtocolError(f"the {self.backend} backend never asks for refreshes")
+
+    def refreshed(self, payload: dict[str, np.ndarray]) -> list[Any]:
+        """The fresh items of a data owner's refresh answer, checked."""
+        raise ProtocolError(f"the {self.backend} backend never asks for refreshes")
 
 
 class CryptoBackend(ABC):
@@ -106,13 +200,20 @@ class CryptoBackend(ABC):
     name: str
 
     @abstractmethod
-    def create_key_owner(self, *, seed: int | None = None) -> KeyOwner:
-        """Generate a fresh key pair (``seed`` only for reproducible tests of ``simulate``)."""
+    def create_key_owner(
+        self, *, seed: int | None = None, geometry: ModelGeometry | None = None
+    ) -> KeyOwner:
+        """Generate a fresh key pair (``seed`` only for reproducible tests of ``simulate``).
+
+        ``geometry`` says how the server's model reads the data (packing backends need it).
+        """
 
     @abstractmethod
     def restore_key_owner(self, state: dict[str, np.ndarray]) -> KeyOwner:
         """Restore a key owner from :meth:`KeyOwner.secret_state`."""
 
     @abstractmethod
-    def create_evaluator(self, public_context: bytes) -> Evaluator:
-        """An evaluator for one data owner's public context."""
+    def create_evaluator(
+        self, public_context: bytes, geometry: ModelGeometry | None = None
+    ) -> Evaluator:
+        """An evaluator for one data owner's public context (and the server model's geometry)."""

@@ -1,26 +1,35 @@
-"""TenSEAL CKKS backend: keys, transport and the encrypted loss (groundwork of issue 4).
+"""TenSEAL CKKS backend: packed batches, encrypted ViT blocks, masked refreshes, the loss.
 
-Not registered in :data:`fedfm.crypto.BACKENDS` yet: :meth:`CkksEvaluator.embed` and
-:meth:`CkksEvaluator.evaluate_block` are issue 4's next step, so the protocol cannot pick it.
+Keys and contexts
+-----------------
+The data owner (:class:`CkksKeyOwner`) generates the keys. The server's :class:`CkksEvaluator` is
+built from the *public* context: public key, relinearisation key and Galois keys for exactly the
+rotation steps the slot layout uses (:meth:`SlotLayout.rotation_steps`); TenSEAL's default
+Galois set would be hundreds of MB at N = 16384. Parameter sets (:mod:`fedfm.crypto.params`)
+keep the chain's first two primes for the refresh mask; SEAL itself refuses sets above the
+128-bit bound of the HomomorphicEncryption.org standard.
 
 Packing
 -------
-One ``tenseal.CKKSVector`` per sample: the flattened sample fills the slots from slot 0, and
-TenSEAL splits it into ``ceil(size / (N/2))`` ciphertexts when it exceeds the ``N/2`` slots.
-Reordering samples is free (no rotation), but a sample of ``C`` values still costs whole
-ciphertexts (about 330 kB at N = 8192 for a 10-class row), and slot-wise sums need rotation keys.
-The public context therefore carries Galois keys only for the steps ``1, 2, 4, ... < max_classes``
-that summing a row of at most ``max_classes`` values uses (TenSEAL's default set is about 35 MB at
-N = 8192). Throughput packing (samples x tokens in the slots) is issue 4's block-evaluation work.
+One ciphertext per feature, samples x tokens in the slots (:mod:`fedfm.crypto.packing`):
+images as patches (token 0 left empty for the class token), hidden states ``(n, T, D)``, and rows
+``(n, C)`` (labels, probabilities) with one slot per sample group.
+
+Refreshes
+---------
+Block evaluation runs out of levels several times per block; each time the server masks the
+ciphertexts in the coefficient domain and the data owner re-encrypts them at the top level
+(:mod:`fedfm.crypto.refresh`: the client's view is within statistical distance
+``(scale * |v| + 64 N) / 2^(mask_bits + 1)`` of the mask alone per coefficient).
 
 Wire format
 -----------
-A batch payload holds ``blob`` (each sample's serialized vector after an 8-byte little-endian
-length), ``shape`` (int64), ``context`` (the fingerprint of the key it is under) and ``digest``
-(SHA-256 over the other three). TenSEAL deserializes a ciphertext made under another key of the
-same parameters without complaint, so loaders compare the fingerprint with their own; the digest
-catches truncation and corruption in transit. Neither authenticates the sender: that is the
-transport's job.
+A batch payload holds ``blob`` (every ciphertext's SEAL serialization after an 8-byte
+little-endian length, feature-major), ``shape`` and ``layout`` (int64), ``context`` (the
+fingerprint of the key it is under) and ``digest`` (SHA-256 over the others). Loaders compare the
+fingerprint with their own, check the digest, let SEAL validate every ciphertext against the
+context, and check levels where the protocol fixes them (uploads and refreshes come at the top
+level). None of this authenticates the sender: that is the transport's job.
 """
 
 from __future__ import annotations
@@ -28,41 +37,39 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import tempfile
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tenseal as ts
 import tenseal.sealapi as sealapi  # registers SEAL's types (moduli, keys) with Python
 
-from fedfm.crypto.backend import CryptoBackend, EncryptedBatch, Evaluator, KeyOwner
-from fedfm.crypto.params import CKKS_8192, CkksParameters
+from fedfm.crypto import ckks_vit
+from fedfm.crypto.backend import (
+    CryptoBackend,
+    EncryptedBatch,
+    Evaluator,
+    KeyOwner,
+    ModelGeometry,
+    Work,
+    finished,
+)
+from fedfm.crypto.circuit import Circuit
+from fedfm.crypto.packing import SlotLayout
+from fedfm.crypto.params import CKKS_16384, CkksParameters
+from fedfm.crypto.refresh import RefreshClient, RefreshServer
+from fedfm.crypto.seal_raw import SealIO, seal_bytes
 from fedfm.errors import CryptoParameterError, ProtocolError
 
 if TYPE_CHECKING:
     from fedfm.models.fhe_vit import FheViT
 
 NAME = "ckks"
-NOT_YET = "CKKS block evaluation is issue 4's next step"
 _LENGTH_BYTES = 8
 _FINGERPRINT_BYTES = 16
 _LOG = logging.getLogger(__name__)
-
-
-class _SealSerializable(Protocol):
-    def save(self, path: str) -> None: ...
-
-
-def _seal_bytes(item: _SealSerializable) -> bytes:
-    """SEAL's serialization of ``item`` (the SEAL bindings only write to files)."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "item"
-        item.save(str(path))
-        return path.read_bytes()
 
 
 def _proto_bytes_field(number: int, value: bytes) -> bytes:
@@ -74,11 +81,6 @@ def _proto_bytes_field(number: int, value: bytes) -> bytes:
         header.append(low | (0x80 if length else 0))
         if not length:
             return bytes(header) + value
-
-
-def summing_steps(width: int) -> list[int]:
-    """Rotation steps TenSEAL's ``sum()`` uses on a vector of ``width`` values (powers of two)."""
-    return [1 << k for k in range(max(width - 1, 0).bit_length())]
 
 
 def _fingerprint(context: ts.Context) -> bytes:
@@ -104,8 +106,8 @@ def _check_parameters(context: ts.Context, params: CkksParameters) -> None:
         )
 
 
-def _public_context(context: ts.Context, max_classes: int) -> bytes:
-    """``context`` serialized without its secret key, with relin and the summing Galois keys.
+def _public_context(context: ts.Context, steps: list[int]) -> bytes:
+    """``context`` serialized without its secret key, with relin keys and Galois keys for ``steps``.
 
     TenSEAL 0.3.18 can only generate its full default Galois set, so the keys come from SEAL's
     ``KeyGenerator`` (seeded serialization, half the size) and are merged into the serialized
@@ -114,12 +116,12 @@ def _public_context(context: ts.Context, max_classes: int) -> bytes:
     """
     seal_context = context.seal_context().data
     keygen = sealapi.KeyGenerator(seal_context, context.secret_key().data)
-    keys = _proto_bytes_field(4, _seal_bytes(keygen.create_relin_keys()))
-    steps = summing_steps(max_classes)
+    keys = _proto_bytes_field(4, seal_bytes(keygen.create_relin_keys()))
     if steps:
+        # Steps must become Galois elements: the list-of-int overload takes elements, not steps.
         tool = seal_context.key_context_data().galois_tool()
         elements = [tool.get_elt_from_step(step) for step in steps]
-        keys += _proto_bytes_field(5, _seal_bytes(keygen.create_galois_keys(elements)))
+        keys += _proto_bytes_field(5, seal_bytes(keygen.create_galois_keys(elements)))
     base = context.serialize(
         save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False
     )
@@ -135,27 +137,37 @@ def _context_from(data: bytes, what: str) -> ts.Context:
 
 @dataclass(frozen=True, eq=False)
 class CkksBatch(EncryptedBatch):
-    """Samples as CKKS vectors (one per sample) under the key with fingerprint ``fingerprint``."""
+    """A packed batch: ``tensor[feature][ciphertext]`` in ``layout``, under key ``fingerprint``.
 
-    vectors: tuple[ts.CKKSVector, ...]
+    ``shape`` is the logical shape (images ``(n, C, H, W)``, hidden ``(n, T, D)``, rows
+    ``(n, C)``); ``copies`` says whether the token copies of the layout hold valid values.
+    """
+
+    tensor: tuple[tuple[Any, ...], ...]
     shape: tuple[int, ...]
+    layout: SlotLayout
     fingerprint: bytes
+    copies: bool = True
     backend: str = NAME
 
     def __post_init__(self) -> None:
-        if not self.shape or self.shape[0] != len(self.vectors) or self.shape[0] < 1:
+        if not self.shape or self.shape[0] < 1:
+            raise ProtocolError(f"a CKKS batch needs at least one sample, got shape {self.shape}")
+        count = self.layout.ciphertexts_for(self.shape[0])
+        if not self.tensor or any(len(feature) != count for feature in self.tensor):
             raise ProtocolError(
-                f"a CKKS batch of shape {self.shape} cannot hold {len(self.vectors)} samples"
+                f"a CKKS batch of {self.shape[0]} samples needs {count} ciphertexts per feature"
             )
 
     @property
-    def sample_size(self) -> int:
-        """Values per sample (the slots each vector uses)."""
-        return math.prod(self.shape[1:])
+    def samples(self) -> int:
+        return self.shape[0]
+
+    def nested(self) -> list[list[Any]]:
+        return [list(feature) for feature in self.tensor]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of :meth:`to_payload` (serialized ciphertexts plus shape, fingerprint, digest)."""
         return sum(array.nbytes for array in self._payload.values())
 
     def to_payload(self) -> dict[str, np.ndarray]:
@@ -163,58 +175,120 @@ class CkksBatch(EncryptedBatch):
 
     @cached_property
     def _payload(self) -> dict[str, np.ndarray]:
-        parts = []
-        for vector in self.vectors:
-            data = vector.serialize()
-            parts += [len(data).to_bytes(_LENGTH_BYTES, "little"), data]
-        blob = b"".join(parts)
+        blob = _join([seal_bytes(ct) for feature in self.tensor for ct in feature])
         shape = np.asarray(self.shape, dtype=np.int64)
+        layout = np.asarray(
+            [
+                self.layout.slots,
+                self.layout.tokens,
+                self.layout.group,
+                int(self.layout.duplicate),
+                len(self.tensor),
+                int(self.copies),
+            ],
+            dtype=np.int64,
+        )
         return {
             "blob": np.frombuffer(blob, dtype=np.uint8),
             "shape": shape,
+            "layout": layout,
             "context": np.frombuffer(self.fingerprint, dtype=np.uint8),
-            "digest": np.frombuffer(_digest(self.fingerprint, shape, blob), dtype=np.uint8),
+            "digest": np.frombuffer(_digest(self.fingerprint, shape, layout, blob), np.uint8),
         }
 
 
-def _digest(fingerprint: bytes, shape: np.ndarray, blob: bytes) -> bytes:
-    shape_bytes = np.ascontiguousarray(shape, dtype="<i8").tobytes()
-    header = fingerprint + len(shape_bytes).to_bytes(8, "little") + shape_bytes
+def _join(parts: list[bytes]) -> bytes:
+    return b"".join(len(part).to_bytes(_LENGTH_BYTES, "little") + part for part in parts)
+
+
+def _split(blob: bytes) -> list[bytes]:
+    parts, offset = [], 0
+    while offset < len(blob):
+        start = offset + _LENGTH_BYTES
+        end = start + int.from_bytes(blob[offset:start], "little")
+        if start > len(blob) or end > len(blob):
+            raise ProtocolError(f"CKKS blob is truncated at ciphertext {len(parts)}")
+        parts.append(blob[start:end])
+        offset = end
+    return parts
+
+
+def _digest(fingerprint: bytes, *arrays_and_blob: Any) -> bytes:
+    *arrays, blob = arrays_and_blob
+    header = fingerprint
+    for array in arrays:
+        data = np.ascontiguousarray(array, dtype="<i8").tobytes()
+        header += len(data).to_bytes(8, "little") + data
     return hashlib.sha256(header + blob).digest()
 
 
-def _load(payload: dict[str, np.ndarray], context: ts.Context, fingerprint: bytes) -> CkksBatch:
-    """Rebuild a batch for ``context``; every failure is a :mod:`fedfm.errors` error."""
-    try:
-        blob, shape = payload["blob"], payload["shape"]
-        sender, digest = payload["context"], payload["digest"]
-    except KeyError as error:
-        raise ProtocolError(f"CKKS batch payload lacks {error}") from None
-    if any(array.dtype != np.uint8 for array in (blob, sender, digest)) or shape.dtype != np.int64:
-        raise ProtocolError("CKKS batch payload arrays have the wrong dtypes")
-    if sender.tobytes() != fingerprint:
-        raise CryptoParameterError("batch was encrypted under another data owner's key")
-    data = blob.tobytes()
-    if digest.tobytes() != _digest(fingerprint, shape, data):
-        raise ProtocolError("CKKS batch payload is truncated or corrupt (digest mismatch)")
-    if shape.ndim != 1 or shape.size < 1 or (shape < 1).any():
-        raise ProtocolError(f"CKKS batch payload has an invalid shape {shape.tolist()}")
-    vectors = []
-    offset = 0
-    while offset < len(data):
-        start = offset + _LENGTH_BYTES
-        end = start + int.from_bytes(data[offset:start], "little")
-        if start > len(data) or end > len(data):
-            raise ProtocolError(f"CKKS blob is truncated at sample {len(vectors)}")
-        try:
-            vectors.append(ts.ckks_vector_from(context, data[start:end]))
-        except Exception as error:  # TenSEAL raises several types for malformed bytes
-            raise ProtocolError(f"CKKS ciphertext {len(vectors)} is malformed: {error}") from None
-        offset = end
-    batch = CkksBatch(tuple(vectors), tuple(int(size) for size in shape), fingerprint)
-    if any(vector.size() != batch.sample_size for vector in vectors):
-        raise ProtocolError(f"CKKS ciphertexts do not hold {batch.sample_size} values each")
-    return batch
+class _Packing:
+    """How a data owner's arrays map to packed ciphertexts for one model geometry."""
+
+    def __init__(self, slots: int, geometry: ModelGeometry | None) -> None:
+        self.geometry = geometry
+        tokens = 1 if geometry is None else geometry.tokens
+        self.hidden = SlotLayout.for_tokens(slots, tokens)
+
+    def layout_for(self, shape: tuple[int, ...]) -> SlotLayout:
+        if len(shape) == 2:
+            return self.hidden.rows()
+        if len(shape) in (3, 4):
+            if self.geometry is None:
+                raise ProtocolError("packing images or hidden states needs the model geometry")
+            return self.hidden
+        raise ProtocolError(f"the CKKS backend packs 2-, 3- or 4-D arrays, got shape {shape}")
+
+    def to_tokens(self, values: np.ndarray) -> np.ndarray:
+        """``(n, T, F)`` values: rows as one token, images as patches (token 0 empty)."""
+        if values.ndim == 2:
+            return values[:, None, :]
+        if values.ndim == 3:
+            if values.shape[1] != self.hidden.tokens:
+                raise ProtocolError(
+                    f"hidden states have {values.shape[1]} tokens, the model {self.hidden.tokens}"
+                )
+            return values
+        assert self.geometry is not None  # layout_for checked
+        return patchify(values, self.geometry.patch_size, self.hidden.tokens)
+
+    def from_tokens(self, values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if len(shape) == 2:
+            return values[:, 0, :]
+        if len(shape) == 3:
+            return values
+        raise ProtocolError("encrypted images are never decrypted")
+
+
+def patchify(images: np.ndarray, patch: int, tokens: int) -> np.ndarray:
+    """``(n, C, H, W)`` images as ``(n, tokens, C * patch * patch)`` patch features.
+
+    Token 0 (the class token's place) is zero; patches follow row-major, each flattened in the
+    order ``(channel, row, column)`` of a ``Conv2d`` patch embedding's weight.
+    """
+    n, channels, height, width = images.shape
+    if height % patch or width % patch:
+        raise ProtocolError(f"images of {height}x{width} do not split into {patch}-pixel patches")
+    rows, cols = height // patch, width // patch
+    if rows * cols + 1 != tokens:
+        raise ProtocolError(
+            f"{rows * cols} patches of {height}x{width} images do not match the model's "
+            f"{tokens - 1} patch tokens"
+        )
+    grid = images.reshape(n, channels, rows, patch, cols, patch).transpose(0, 2, 4, 1, 3, 5)
+    out = np.zeros((n, tokens, channels * patch * patch))
+    out[:, 1:] = grid.reshape(n, rows * cols, -1)
+    return out
+
+
+def _geometry_array(geometry: ModelGeometry | None) -> np.ndarray:
+    values = [0, 0] if geometry is None else [geometry.tokens, geometry.patch_size]
+    return np.asarray(values, dtype=np.int64)
+
+
+def _geometry_from(array: np.ndarray) -> ModelGeometry | None:
+    tokens, patch = (int(v) for v in array)
+    return None if tokens == 0 else ModelGeometry(tokens, patch)
 
 
 class CkksKeyOwner(KeyOwner):
@@ -222,33 +296,68 @@ class CkksKeyOwner(KeyOwner):
 
     backend = NAME
 
-    def __init__(self, context: ts.Context, public_context: bytes) -> None:
+    def __init__(
+        self, context: ts.Context, public_context: bytes | None, geometry: ModelGeometry | None
+    ) -> None:
         if not context.is_private():
             raise CryptoParameterError("a CKKS key owner needs a context with its secret key")
         self._context = context
         self._public_context = public_context
         self.fingerprint = _fingerprint(context)
+        self._seal = context.seal_context().data
+        self._encoder = sealapi.CKKSEncoder(self._seal)
+        self._encryptor = sealapi.Encryptor(self._seal, context.secret_key().data)
+        self._decryptor = sealapi.Decryptor(self._seal, context.secret_key().data)
+        self._packing = _Packing(self._encoder.slot_count(), geometry)
+        self._refresher = RefreshClient(context)
+        self._io = SealIO(self._seal)
 
     def public_context(self) -> bytes:
+        """The evaluation context for the server (only on the owner that created the keys)."""
+        if self._public_context is None:
+            raise ProtocolError("a restored CKKS key owner does not keep the public context")
         return self._public_context
 
     def encrypt(self, values: np.ndarray) -> CkksBatch:
         array = np.asarray(values, dtype=np.float64)
-        if array.ndim < 1 or array.shape[0] < 1 or array.size == 0:
+        if array.ndim < 2 or array.shape[0] < 1 or array.size == 0:
             raise ProtocolError(f"cannot encrypt an empty batch of shape {array.shape}")
-        rows = array.reshape(array.shape[0], -1)
-        vectors = tuple(ts.ckks_vector(self._context, row.tolist()) for row in rows)
-        return CkksBatch(vectors, tuple(array.shape), self.fingerprint)
+        layout = self._packing.layout_for(array.shape)
+        slots = layout.pack(self._packing.to_tokens(array))
+        top = self._seal.first_parms_id()
+        scale = float(self._context.global_scale)
+        tensor = []
+        for feature in slots:
+            cts = []
+            for vector in feature:
+                plain = sealapi.Plaintext()
+                self._encoder.encode(vector.tolist(), top, scale, plain)
+                ct = sealapi.Ciphertext(self._seal)
+                self._encryptor.encrypt_symmetric(plain, ct)
+                cts.append(ct)
+            tensor.append(tuple(cts))
+        return CkksBatch(tuple(tensor), tuple(array.shape), layout, self.fingerprint)
 
     def decrypt(self, batch: EncryptedBatch) -> np.ndarray:
         if not isinstance(batch, CkksBatch) or batch.fingerprint != self.fingerprint:
             raise CryptoParameterError("cannot decrypt: batch is not under this owner's key")
-        secret_key = self._context.secret_key()
-        rows = [vector.decrypt(secret_key) for vector in batch.vectors]
-        return np.asarray(rows, dtype=np.float64).reshape(batch.shape)
+        slots = np.empty((len(batch.tensor), len(batch.tensor[0]), batch.layout.slots))
+        for f, feature in enumerate(batch.tensor):
+            for c, ct in enumerate(feature):
+                plain = sealapi.Plaintext()
+                self._decryptor.decrypt(ct, plain)
+                slots[f, c] = self._encoder.decode_double(plain)
+        values = batch.layout.unpack(slots, batch.samples)
+        # float32 like the simulate backend: CKKS carries about 1e-6 relative precision anyway
+        return self._packing.from_tokens(values, batch.shape).astype(np.float32)
 
     def load(self, payload: dict[str, np.ndarray]) -> CkksBatch:
-        return _load(payload, self._context, self.fingerprint)
+        return _load(payload, self._io, self.fingerprint, top_only=False)
+
+    def refresh(self, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        masked = _load_list(payload, self._io, self.fingerprint)
+        fresh = self._refresher.refresh_many(masked)
+        return _list_payload([seal_bytes(ct) for ct in fresh], self.fingerprint)
 
     def secret_state(self) -> dict[str, np.ndarray]:
         private = self._context.serialize(
@@ -257,134 +366,211 @@ class CkksKeyOwner(KeyOwner):
             save_galois_keys=False,
             save_relin_keys=False,
         )
+        # The public context (hundreds of MB of rotation keys at N = 16384) is sent once at setup
+        # and not kept: the client state travels with every message.
         return {
             "context": np.frombuffer(private, dtype=np.uint8).copy(),
-            "public_context": np.frombuffer(self._public_context, dtype=np.uint8).copy(),
+            "geometry": _geometry_array(self._packing.geometry),
         }
 
 
+def _list_payload(parts: list[bytes], fingerprint: bytes) -> dict[str, np.ndarray]:
+    blob = _join(parts)
+    count = np.asarray([len(parts)], dtype=np.int64)
+    return {
+        "blob": np.frombuffer(blob, dtype=np.uint8),
+        "count": count,
+        "context": np.frombuffer(fingerprint, dtype=np.uint8),
+        "digest": np.frombuffer(_digest(fingerprint, count, blob), dtype=np.uint8),
+    }
+
+
+def _checked_blob(payload: dict[str, np.ndarray], fingerprint: bytes, *names: str) -> bytes:
+    try:
+        blob, sender, digest = payload["blob"], payload["context"], payload["digest"]
+        arrays = [payload[name] for name in names]
+    except KeyError as error:
+        raise ProtocolError(f"CKKS payload lacks {error}") from None
+    if any(a.dtype != np.uint8 for a in (blob, sender, digest)) or any(
+        a.dtype != np.int64 for a in arrays
+    ):
+        raise ProtocolError("CKKS payload arrays have the wrong dtypes")
+    if sender.tobytes() != fingerprint:
+        raise CryptoParameterError("ciphertexts were encrypted under another data owner's key")
+    data = blob.tobytes()
+    if digest.tobytes() != _digest(fingerprint, *arrays, data):
+        raise ProtocolError("CKKS payload is truncated or corrupt (digest mismatch)")
+    return data
+
+
+def _load_list(payload: dict[str, np.ndarray], io: SealIO, fingerprint: bytes) -> list[Any]:
+    data = _checked_blob(payload, fingerprint, "count")
+    parts = _split(data)
+    if len(parts) != int(payload["count"][0]):
+        raise ProtocolError(f"CKKS payload holds {len(parts)} ciphertexts, says {payload['count']}")
+    return [io.load_ciphertext(part) for part in parts]
+
+
+def _load(
+    payload: dict[str, np.ndarray], io: SealIO, fingerprint: bytes, *, top_only: bool
+) -> CkksBatch:
+    """Rebuild a batch for ``io``'s context; every failure is a :mod:`fedfm.errors` error."""
+    data = _checked_blob(payload, fingerprint, "shape", "layout")
+    shape, meta = payload["shape"], payload["layout"]
+    if shape.ndim != 1 or not 2 <= shape.size <= 4 or (shape < 1).any() or meta.shape != (6,):
+        raise ProtocolError(f"CKKS batch payload has an invalid shape {shape.tolist()}")
+    slots, tokens, group, duplicate, features, copies = (int(v) for v in meta)
+    try:
+        layout = SlotLayout(slots, tokens, group, bool(duplicate))
+    except Exception as error:
+        raise ProtocolError(f"CKKS batch payload has an invalid layout: {error}") from None
+    cts = [io.load_ciphertext(part) for part in _split(data)]
+    count = layout.ciphertexts_for(int(shape[0]))
+    if features < 1 or len(cts) != features * count:
+        raise ProtocolError(f"CKKS batch holds {len(cts)} ciphertexts, expected {features}x{count}")
+    top = io.seal_context.first_parms_id()
+    for ct in cts:
+        if ct.size() != 2:
+            raise ProtocolError("CKKS ciphertexts must be relinearised (two polynomials)")
+        if top_only and ct.parms_id() != top:
+            raise ProtocolError("a CKKS upload must be at the top level of the modulus chain")
+    tensor = tuple(tuple(cts[f * count : (f + 1) * count]) for f in range(features))
+    dims = tuple(int(v) for v in shape)
+    return CkksBatch(tensor, dims, layout, fingerprint, copies=bool(copies))
+
+
 class CkksEvaluator(Evaluator):
-    """The server's TenSEAL context: relin and summing keys only, nothing that decrypts."""
+    """The server's half: a :class:`Circuit` on the public context and the refresh masks."""
 
     backend = NAME
 
-    def __init__(self, public_context: bytes, params: CkksParameters) -> None:
+    def __init__(
+        self,
+        public_context: bytes,
+        params: CkksParameters,
+        geometry: ModelGeometry | None,
+    ) -> None:
         context = _context_from(public_context, "public context")
         if context.is_private():
             raise CryptoParameterError("refusing a public context that carries a secret key")
         _check_parameters(context, params)
         if not context.has_relin_keys():
             raise CryptoParameterError("public context lacks relinearization keys")
-        self._context = context
         self.params = params
         self.fingerprint = _fingerprint(context)
+        self.circuit = Circuit(context, RefreshServer(context))
+        self._packing = _Packing(self.circuit.slots, geometry)
+        self.layout = self._packing.hidden
+        self.circuit.declare_steps(self.layout.rotation_steps())
+        self._io = SealIO(context.seal_context().data)
 
     def _check(self, batch: EncryptedBatch) -> CkksBatch:
         if not isinstance(batch, CkksBatch) or batch.fingerprint != self.fingerprint:
             raise CryptoParameterError("batch is not under this evaluator's key")
         return batch
 
-    def _bound(self, batch: EncryptedBatch) -> CkksBatch:
-        """``batch`` checked, its vectors on this evaluator's context (needed to compute).
-
-        A batch handed over in process rather than through a payload is linked to the owner's
-        context, which has no rotation keys (and a secret key the server must never use).
-        """
-        vectors = tuple(
-            vector
-            if vector.context().data is self._context.data
-            else ts.ckks_vector_from(self._context, vector.serialize())
-            for vector in self._check(batch).vectors
-        )
-        return CkksBatch(vectors, batch.shape, self.fingerprint)
-
-    def _require_summing(self, width: int) -> None:
-        """Refuse sums over ``width`` slots the public context has no rotation keys for."""
-        keys = self._context.galois_keys().data if self._context.has_galois_keys() else None
-        tool = self._context.seal_context().data.key_context_data().galois_tool()
-        steps = summing_steps(width)
-        if any(keys is None or not keys.has_key(tool.get_elt_from_step(s)) for s in steps):
-            raise CryptoParameterError(
-                f"public context lacks the rotation keys (steps {steps}) to sum {width} values; "
-                "raise max_classes on the data owner's backend"
-            )
+    def _batch(self, tensor: list[list[Any]], shape: tuple[int, ...], copies: bool) -> CkksBatch:
+        layout = self._packing.layout_for(shape)
+        frozen = tuple(tuple(feature) for feature in tensor)
+        return CkksBatch(frozen, shape, layout, self.fingerprint, copies=copies)
 
     def load(self, payload: dict[str, np.ndarray]) -> CkksBatch:
-        return _load(payload, self._context, self.fingerprint)
+        return _load(payload, self._io, self.fingerprint, top_only=True)
 
-    def take(self, batch: EncryptedBatch, indices: np.ndarray) -> CkksBatch:
+    def refresh_payload(self, items: list[Any]) -> dict[str, np.ndarray]:
+        return _list_payload([item.to_bytes() for item in items], self.fingerprint)
+
+    def refreshed(self, payload: dict[str, np.ndarray]) -> list[Any]:
+        fresh = _load_list(payload, self._io, self.fingerprint)
+        top = self._io.seal_context.first_parms_id()
+        if any(ct.parms_id() != top for ct in fresh):
+            raise ProtocolError("a refreshed ciphertext is not at the top level")
+        return fresh
+
+    def take(self, batch: EncryptedBatch, indices: np.ndarray) -> Work[CkksBatch]:
         source = self._check(batch)
         order = np.asarray(indices)
         if order.ndim != 1 or order.size < 1 or not np.issubdtype(order.dtype, np.integer):
             raise ProtocolError("take needs a non-empty 1-D array of integer indices")
-        if (order < 0).any() or (order >= len(source.vectors)).any():
-            raise ProtocolError(f"indices out of range for a batch of {len(source.vectors)}")
-        vectors = tuple(source.vectors[int(i)] for i in order)
-        return CkksBatch(vectors, (order.size, *source.shape[1:]), self.fingerprint)
+        tensor = yield from ckks_vit.permute(
+            self.circuit, source.layout, source.nested(), source.samples, order
+        )
+        return CkksBatch(
+            tuple(tuple(f) for f in tensor),
+            (order.size, *source.shape[1:]),
+            source.layout,
+            self.fingerprint,
+            copies=source.copies,
+        )
 
-    def embed(self, model: FheViT, images: EncryptedBatch) -> CkksBatch:
-        raise NotImplementedError(NOT_YET)
+    def embed(self, model: FheViT, images: EncryptedBatch) -> Work[CkksBatch]:
+        source = self._check(images)
+        if len(source.shape) != 4:
+            raise ProtocolError(f"embed needs (n, C, H, W) images, got shape {source.shape}")
+        ckks_vit.check_encryptable(model)
+        tensor = ckks_vit.embed(self.circuit, model, self.layout, source.nested(), source.samples)
+        shape = (source.samples, self.layout.tokens, len(tensor))
+        return finished(self._batch(tensor, shape, copies=True))
 
-    def evaluate_block(self, model: FheViT, index: int, hidden: EncryptedBatch) -> CkksBatch:
-        raise NotImplementedError(NOT_YET)
+    def evaluate_block(self, model: FheViT, index: int, hidden: EncryptedBatch) -> Work[CkksBatch]:
+        source = self._check(hidden)
+        if len(source.shape) != 3:
+            raise ProtocolError(f"a block needs (n, T, D) hidden states, got {source.shape}")
+        if not 0 <= index < model.num_blocks:
+            raise ProtocolError(f"block index {index} out of range 0..{model.num_blocks - 1}")
+        ckks_vit.check_encryptable(model)
+        tensor = source.nested()
+        if not source.copies:
+            tensor = yield from ckks_vit.restore_copies(
+                self.circuit, self.layout, tensor, source.samples
+            )
+        tensor = yield from ckks_vit.block(
+            self.circuit, model, index, self.layout, tensor, source.samples
+        )
+        return self._batch(tensor, source.shape, copies=False)
 
     def cross_entropy(
         self,
         probabilities: EncryptedBatch,
         log_probabilities: EncryptedBatch,
         labels: EncryptedBatch,
-    ) -> tuple[CkksBatch, CkksBatch]:
-        """Mean cross-entropy and logit gradient, homomorphically (two levels).
-
-        Per sample ``y * log p`` (ciphertext product, one level) is summed over its slots by
-        rotations; the samples' sums are added and scaled by ``-1/n`` (second level). The
-        gradient is ``(p - y) * (1/n)`` per sample (one level).
-        """
-        p, log_p, y = (self._bound(b) for b in (probabilities, log_probabilities, labels))
+    ) -> Work[tuple[CkksBatch, CkksBatch]]:
+        p, log_p, y = (self._check(b) for b in (probabilities, log_probabilities, labels))
         if not p.shape == log_p.shape == y.shape or len(p.shape) != 2:
             raise ProtocolError(
                 f"cross-entropy needs three (n, C) batches of one shape, got {p.shape}, "
                 f"{log_p.shape}, {y.shape}"
             )
-        if self.params.depth < 2:
-            raise CryptoParameterError(
-                f"cross-entropy needs multiplicative depth 2, parameters give {self.params.depth}"
-            )
-        count, classes = p.shape
-        self._require_summing(classes)
-        total = (log_p.vectors[0] * y.vectors[0]).sum()
-        for log_row, label_row in zip(log_p.vectors[1:], y.vectors[1:], strict=True):
-            total = total + (log_row * label_row).sum()
-        loss = CkksBatch((total * (-1.0 / count),), (1,), self.fingerprint)
-        rows = tuple(
-            (p_row - y_row) * (1.0 / count)
-            for p_row, y_row in zip(p.vectors, y.vectors, strict=True)
+        loss, gradient = yield from ckks_vit.cross_entropy(
+            self.circuit, p.layout, p.nested(), log_p.nested(), y.nested(), p.samples
         )
-        return loss, CkksBatch(rows, p.shape, self.fingerprint)
+        return (
+            self._batch(loss, (1, 1), copies=True),
+            self._batch(gradient, p.shape, copies=True),
+        )
 
 
 class CkksBackend(CryptoBackend):
-    """TenSEAL CKKS keys and evaluation (not yet selectable by the protocol; see module doc).
+    """TenSEAL CKKS keys and evaluation.
 
     Parameters
     ----------
     params : CkksParameters
-        Ring degree, modulus chain and scale; refused unless they meet 128-bit security.
-    max_classes : int
-        Widest row the server will sum over (classes in the loss): fixes the rotation keys.
+        Ring degree, modulus chain and scale; refused unless they meet 128-bit security and
+        leave the chain's first two primes for the refresh mask.
     allow_insecure : bool
         For tests only: skip fedfm's 128-bit check (with a warning). SEAL, as built into
         TenSEAL 0.3.18, enforces the same bound itself, so key generation still fails.
+    name : str
+        The name this backend is registered under (``ckks``, ``ckks-8192``).
     """
-
-    name = NAME
 
     def __init__(
         self,
-        params: CkksParameters = CKKS_8192,
+        params: CkksParameters = CKKS_16384,
         *,
-        max_classes: int = 16,
         allow_insecure: bool = False,
+        name: str = NAME,
     ) -> None:
         if allow_insecure and not params.secure_128:
             message = (
@@ -395,12 +581,17 @@ class CkksBackend(CryptoBackend):
             warnings.warn(message, stacklevel=2)
         elif not allow_insecure:
             params.check_secure()
-        if max_classes < 1:
-            raise CryptoParameterError(f"max_classes must be >= 1, got {max_classes}")
+        if params.depth < 2:
+            raise CryptoParameterError(
+                f"CKKS parameters {params.coeff_mod_bit_sizes} leave no level between refreshes: "
+                "the first two primes are the refresh level"
+            )
         self.params = params
-        self.max_classes = max_classes
+        self.name = name  # the registered name, so logs and results say which parameter set ran
 
-    def create_key_owner(self, *, seed: int | None = None) -> CkksKeyOwner:
+    def create_key_owner(
+        self, *, seed: int | None = None, geometry: ModelGeometry | None = None
+    ) -> CkksKeyOwner:
         if seed is not None:
             raise CryptoParameterError(
                 "CKKS keys come from SEAL's randomness; seed is for simulate only"
@@ -417,19 +608,21 @@ class CkksBackend(CryptoBackend):
                 "128-bit security itself, whatever allow_insecure says"
             ) from None
         context.global_scale = 2.0**self.params.scale_bits
-        return CkksKeyOwner(context, _public_context(context, self.max_classes))
+        steps = SlotLayout.for_tokens(
+            self.params.slots, 1 if geometry is None else geometry.tokens
+        ).rotation_steps()
+        return CkksKeyOwner(context, _public_context(context, steps), geometry)
 
     def restore_key_owner(self, state: dict[str, np.ndarray]) -> CkksKeyOwner:
         try:
-            private, public = state["context"], state["public_context"]
+            private, geometry = state["context"], _geometry_from(state["geometry"])
         except KeyError as error:
             raise CryptoParameterError(f"CKKS key owner state lacks {error}") from None
         context = _context_from(private.astype(np.uint8).tobytes(), "key owner state")
         _check_parameters(context, self.params)
-        public_bytes = public.astype(np.uint8).tobytes()
-        if _fingerprint(_context_from(public_bytes, "public context")) != _fingerprint(context):
-            raise CryptoParameterError("key owner state: public context is of another key")
-        return CkksKeyOwner(context, public_bytes)
+        return CkksKeyOwner(context, None, geometry)
 
-    def create_evaluator(self, public_context: bytes) -> CkksEvaluator:
-        return CkksEvaluator(public_context, self.params)
+    def create_evaluator(
+        self, public_context: bytes, geometry: ModelGeometry | None = None
+    ) -> CkksEvaluator:
+        return CkksEvaluator(public_context, self.params, geometry)

@@ -49,6 +49,11 @@ class CkksParameters:
         return len(self.coeff_mod_bit_sizes) - 2
 
     @property
+    def levels_between_refreshes(self) -> int:
+        """Rescales between two masked refreshes: the first two primes stay for the mask."""
+        return len(self.coeff_mod_bit_sizes) - 3
+
+    @property
     def modulus_bits(self) -> int:
         return sum(self.coeff_mod_bit_sizes)
 
@@ -77,5 +82,9 @@ class CkksParameters:
 
 # HELIX's practice (spec 000, Sec. 5.2): N = 8192, [60, 40, 40, 60], scale 2^40: depth 2.
 CKKS_8192 = CkksParameters(8192, (60, 40, 40, 60), 40)
-# N = 16384 with seven 40-bit levels between 60-bit primes (380 bits <= 438): depth 7.
-CKKS_16384 = CkksParameters(16384, (60, 40, 40, 40, 40, 40, 40, 40, 60), 40)
+# The CKKS backend's default: N = 16384, q0 of 58 bits and a 40-bit mask prime (the refresh
+# level, 98 bits, holds a mask of 2^95), seven 40-bit levels, a 60-bit special prime: 438 bits,
+# exactly the 128-bit budget. Seven rescales between refreshes.
+CKKS_16384 = CkksParameters(16384, (58, 40, 40, 40, 40, 40, 40, 40, 40, 60), 40)
+# The smallest set with the same refresh level (for tests): one rescale between refreshes.
+CKKS_8192_REFRESH = CkksParameters(8192, (58, 40, 40, 60), 40)

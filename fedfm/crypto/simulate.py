@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedfm.crypto.backend import CryptoBackend, EncryptedBatch, Evaluator, KeyOwner
+from fedfm.crypto.backend import (
+    CryptoBackend,
+    EncryptedBatch,
+    Evaluator,
+    KeyOwner,
+    ModelGeometry,
+    Work,
+    finished,
+)
 from fedfm.crypto.params import CKKS_8192, CkksParameters
 from fedfm.errors import CryptoParameterError, ProtocolError
 from fedfm.models.fhe_vit import FheViT
@@ -120,23 +128,29 @@ class SimulatedEvaluator(Evaluator):
     def load(self, payload: dict[str, np.ndarray]) -> SimulatedBatch:
         return _from_payload(payload, self.key_id)
 
-    def take(self, batch: EncryptedBatch, indices: np.ndarray) -> SimulatedBatch:
-        return self._wrap(self._check(batch).values[np.asarray(indices)])
+    def take(self, batch: EncryptedBatch, indices: np.ndarray) -> Work[SimulatedBatch]:
+        order = np.asarray(indices)
+        if order.ndim != 1 or len(set(order.tolist())) != order.size:
+            raise ProtocolError("take needs a 1-D array of distinct indices")
+        return finished(self._wrap(self._check(batch).values[order]))
 
     @torch.no_grad()
-    def embed(self, model: FheViT, images: EncryptedBatch) -> SimulatedBatch:
-        return self._wrap(model.embed(torch.from_numpy(self._check(images).values)))
+    def embed(self, model: FheViT, images: EncryptedBatch) -> Work[SimulatedBatch]:
+        return finished(self._wrap(model.embed(torch.from_numpy(self._check(images).values))))
 
     @torch.no_grad()
-    def evaluate_block(self, model: FheViT, index: int, hidden: EncryptedBatch) -> SimulatedBatch:
-        return self._wrap(model.block(index, torch.from_numpy(self._check(hidden).values)))
+    def evaluate_block(
+        self, model: FheViT, index: int, hidden: EncryptedBatch
+    ) -> Work[SimulatedBatch]:
+        values = torch.from_numpy(self._check(hidden).values)
+        return finished(self._wrap(model.block(index, values)))
 
     def cross_entropy(
         self,
         probabilities: EncryptedBatch,
         log_probabilities: EncryptedBatch,
         labels: EncryptedBatch,
-    ) -> tuple[SimulatedBatch, SimulatedBatch]:
+    ) -> Work[tuple[SimulatedBatch, SimulatedBatch]]:
         p = self._check(probabilities).values
         log_p = self._check(log_probabilities).values
         y = self._check(labels).values
@@ -147,7 +161,7 @@ class SimulatedEvaluator(Evaluator):
             )
         count = p.shape[0]
         loss = -(y * log_p).sum(axis=1).mean(keepdims=True)
-        return self._wrap(loss), self._wrap((p - y) / count)
+        return finished((self._wrap(loss), self._wrap((p - y) / count)))
 
 
 class SimulateBackend(CryptoBackend):
@@ -155,7 +169,9 @@ class SimulateBackend(CryptoBackend):
 
     name = NAME
 
-    def create_key_owner(self, *, seed: int | None = None) -> SimulatedKeyOwner:
+    def create_key_owner(
+        self, *, seed: int | None = None, geometry: ModelGeometry | None = None
+    ) -> SimulatedKeyOwner:
         if seed is None:
             secret = secrets.token_bytes(_KEY_BYTES)
         else:
@@ -168,5 +184,7 @@ class SimulateBackend(CryptoBackend):
         except KeyError as error:
             raise CryptoParameterError("key owner state lacks the secret key") from error
 
-    def create_evaluator(self, public_context: bytes) -> SimulatedEvaluator:
+    def create_evaluator(
+        self, public_context: bytes, geometry: ModelGeometry | None = None
+    ) -> SimulatedEvaluator:
         return SimulatedEvaluator(public_context)

@@ -25,6 +25,7 @@ from fedfm.errors import DataError, ProtocolError
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
+    REFRESH,
     SETUP,
     TRAIN_BLOCK,
     TRAIN_LOSS,
@@ -33,6 +34,7 @@ from fedfm.protocols.double_blind.config import (
 from fedfm.protocols.double_blind.messages import (
     BlockRequest,
     batch_reply,
+    geometry_from,
     pack_arrays,
     unpack_arrays,
     unpack_batches,
@@ -88,9 +90,9 @@ class ClientState:
 # the previous one, e.g. after a timeout); everything else must follow in order.
 ALLOWED = {
     "new": {SETUP},
-    "ready": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK},
-    "train": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_LOSS},
-    "evaluate": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK},
+    "ready": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
+    "train": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_LOSS, REFRESH},
+    "evaluate": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
 }
 
 
@@ -116,6 +118,11 @@ class DoubleBlindClient:
         if envelope.message_type == SETUP:
             return self._setup(envelope)
         key = self.backend.restore_key_owner(state.group("key"))
+        if envelope.message_type == REFRESH:
+            # Masked ciphertexts only: the client re-encrypts them and learns nothing; its state
+            # does not change.
+            fresh = key.refresh(envelope.arrays)
+            return Envelope(REFRESH, envelope.node_id, envelope.round, fresh, {}), state
         if envelope.message_type == TRAIN_LOSS:
             return self._loss(envelope, state, key)
         return self._block(envelope, state, key)
@@ -123,7 +130,7 @@ class DoubleBlindClient:
     # -- steps -------------------------------------------------------------------------------
     def _setup(self, envelope: Envelope) -> tuple[Envelope, ClientState]:
         config = DoubleBlindConfig.from_config(envelope.config)
-        key = self.backend.create_key_owner()
+        key = self.backend.create_key_owner(geometry=geometry_from(envelope.config))
         data, classes = self.data, self.data.num_classes
         uploads = {
             "train_images": [key.encrypt(data.train_images)],

@@ -12,6 +12,8 @@ SETUP = "query.setup"
 TRAIN_BLOCK = "train.block"
 TRAIN_LOSS = "train.loss"
 EVALUATE_BLOCK = "evaluate.block"
+# Client-assisted refresh of masked ciphertexts in the middle of the server's evaluation (CKKS).
+REFRESH = "query.refresh"
 
 # App. C: with n samples per batch a curious client faces n! candidate permutations; below 16
 # (16! ~ 2e13) the protocol refuses to run.
@@ -41,7 +43,7 @@ class DoubleBlindConfig:
     permute:
         Debug switch: ``False`` sends block outputs unpermuted (for the extraction tests only).
     backend:
-        Crypto backend name (``simulate`` for now).
+        Crypto backend name: ``simulate`` (plaintext stand-in) or ``ckks`` (TenSEAL).
     eval_fraction:
         Share of each client's data held out for evaluation.
     seed:

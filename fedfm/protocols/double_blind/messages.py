@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedfm.crypto.backend import EncryptedBatch
+from fedfm.crypto.backend import EncryptedBatch, ModelGeometry
 from fedfm.errors import ProtocolError
 from fedfm.protocols.transport import ConfigValue, Envelope
 
@@ -61,6 +61,24 @@ def unpack_arrays(envelope: Envelope, name: str) -> dict[str, np.ndarray]:
         for key, value in envelope.arrays.items()
         if key.startswith(prefix)
     }
+
+
+def geometry_config(geometry: ModelGeometry) -> dict[str, int]:
+    """The setup config entries that tell a data owner how the server's model reads images."""
+    return {"model_tokens": geometry.tokens, "patch_size": geometry.patch_size}
+
+
+def geometry_from(config: dict[str, ConfigValue]) -> ModelGeometry | None:
+    """The model geometry in a setup config (see :func:`geometry_config`), if it has one."""
+    tokens, patch = config.get("model_tokens"), config.get("patch_size")
+    if tokens is None and patch is None:
+        return None  # only packing backends need it; they say so when they do
+    if not isinstance(tokens, int) or not isinstance(patch, int) or tokens < 1 or patch < 1:
+        raise ProtocolError(
+            f"setup config needs positive ints model_tokens and patch_size, got {tokens!r}, "
+            f"{patch!r}"
+        )
+    return ModelGeometry(tokens, patch)
 
 
 def require_config(envelope: Envelope, key: str, kind: type) -> ConfigValue:

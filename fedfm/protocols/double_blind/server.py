@@ -12,22 +12,37 @@ block go the relative permutations. The client answers with encrypted ``softmax`
 one-hot labels into the same order and returns the encrypted mean cross-entropy and logit
 gradient. What the server sees: ciphertexts, their sizes, the number of samples per client and,
 after aggregation, the global adapter and head (secure aggregation will hide individual updates).
+
+With an encrypted backend the server's evaluation runs out of depth inside a block; each stage
+(batch selection, a block, the loss) is then a generator that sends ``query.refresh`` requests
+with masked ciphertexts to the client and resumes on its answers, all batches of a round together
+(:func:`~fedfm.crypto.backend.lockstep`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from fedfm.crypto.backend import CryptoBackend, EncryptedBatch, Evaluator
+from fedfm.crypto.backend import (
+    CryptoBackend,
+    EncryptedBatch,
+    Evaluator,
+    ModelGeometry,
+    Work,
+    drive,
+    lockstep,
+)
 from fedfm.errors import ProtocolError
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
+    REFRESH,
     SETUP,
     TRAIN_BLOCK,
     TRAIN_LOSS,
@@ -35,6 +50,7 @@ from fedfm.protocols.double_blind.config import (
 )
 from fedfm.protocols.double_blind.messages import (
     BlockRequest,
+    geometry_config,
     pack_batches,
     require_config,
     unpack_arrays,
@@ -66,6 +82,10 @@ class EvaluationResult:
     confusion: np.ndarray
 
 
+Stage = Generator[Envelope, Envelope, Envelope]
+"""Server work between two protocol messages: yields refresh requests, returns the next message."""
+
+
 @dataclass
 class _InFlight:
     kind: str
@@ -74,6 +94,13 @@ class _InFlight:
     indices: list[np.ndarray]
     permutations: list[RoundPermutations]
     current: list[EncryptedBatch]
+    stage: Stage | None = None  # waiting for a refresh answer
+
+
+def model_geometry(model: FheViT) -> ModelGeometry:
+    """Tokens per sample and patch size of ``model``: what a packing data owner needs."""
+    embed = model.vit.patch_embed
+    return ModelGeometry(embed.num_patches + model.vit.num_prefix_tokens, embed.patch_size[0])
 
 
 @dataclass
@@ -119,6 +146,7 @@ class DoubleBlindServer:
         self.log = log
         self.rng = np.random.default_rng(config.seed)
         self.sessions: dict[int, ClientSession] = {}
+        self.geometry = model_geometry(model)
 
     @property
     def num_blocks(self) -> int:
@@ -134,7 +162,8 @@ class DoubleBlindServer:
 
     # -- setup -----------------------------------------------------------------------------------
     def setup_request(self, node_id: int) -> Envelope:
-        return Envelope(SETUP, node_id, 0, {}, self.config.client_settings())
+        settings = {**self.config.client_settings(), **geometry_config(self.geometry)}
+        return Envelope(SETUP, node_id, 0, {}, settings)
 
     def on_setup(self, reply: Envelope) -> None:
         """Register a client from its uploads; the embedding is applied once, here (§3.2)."""
@@ -145,7 +174,7 @@ class DoubleBlindServer:
         classes = int(require_config(reply, "num_classes", int))
         if classes != self.num_classes:
             raise ProtocolError(f"client has {classes} classes, the task has {self.num_classes}")
-        evaluator = self.backend.create_evaluator(context)
+        evaluator = self.backend.create_evaluator(context, self.geometry)
         uploads = {
             name: unpack_batches(reply, name, 1, evaluator.load)[0]
             for name in ("train_images", "train_labels", "eval_images", "eval_labels")
@@ -161,9 +190,9 @@ class DoubleBlindServer:
                 )
         self.sessions[reply.node_id] = ClientSession(
             evaluator=evaluator,
-            train_inputs=evaluator.embed(self.model, uploads["train_images"]),
+            train_inputs=_at_once(evaluator.embed(self.model, uploads["train_images"])),
             train_labels=uploads["train_labels"],
-            eval_inputs=evaluator.embed(self.model, uploads["eval_images"]),
+            eval_inputs=_at_once(evaluator.embed(self.model, uploads["eval_images"])),
             eval_labels=uploads["eval_labels"],
             num_train=num_train,
             num_eval=num_eval,
@@ -217,34 +246,80 @@ class DoubleBlindServer:
             )
             for batch in indices
         ]
-        current = [session.evaluator.take(inputs, batch) for batch in indices]
-        session.in_flight = _InFlight(kind, server_round, 0, indices, permutations, current)
-        return self._next_block(node_id, session, global_arrays)
+        session.in_flight = _InFlight(kind, server_round, 0, indices, permutations, [])
+        return self._advance(session, self._start_stage(node_id, session, inputs, global_arrays))
 
-    def _next_block(
-        self, node_id: int, session: ClientSession, global_arrays: dict[str, np.ndarray]
+    def _advance(
+        self, session: ClientSession, stage: Stage, reply: Envelope | None = None
     ) -> Envelope:
+        """Run ``stage`` until it needs the client: a refresh request or the next message."""
         flight = session.in_flight
         assert flight is not None  # callers check; an internal invariant
+        try:
+            request = stage.send(reply)  # type: ignore[arg-type]  # None starts the generator
+        except StopIteration as stop:
+            flight.stage = None
+            return stop.value
+        flight.stage = stage
+        return request
+
+    def _refreshing(self, node_id: int, session: ClientSession, work: Work[Any]) -> Stage:
+        """Carry ``work``'s refreshes to the client as ``query.refresh`` round trips."""
+        flight = session.in_flight
+        assert flight is not None
+        evaluator = session.evaluator
+
+        def ask(items: list[Any]) -> Envelope:
+            return Envelope(REFRESH, node_id, flight.round, evaluator.refresh_payload(items), {})
+
+        try:
+            items = next(work)
+            while True:
+                reply = yield ask(items)
+                items = work.send(evaluator.refreshed(reply.arrays))
+        except StopIteration as stop:
+            return stop.value
+
+    def _start_stage(
+        self,
+        node_id: int,
+        session: ClientSession,
+        inputs: EncryptedBatch,
+        global_arrays: dict[str, np.ndarray],
+    ) -> Stage:
+        flight = session.in_flight
+        assert flight is not None
+        works = [session.evaluator.take(inputs, batch) for batch in flight.indices]
+        flight.current = yield from self._refreshing(node_id, session, lockstep(works))
+        return (yield from self._block_stage(node_id, session, global_arrays))
+
+    def _block_stage(
+        self, node_id: int, session: ClientSession, global_arrays: dict[str, np.ndarray]
+    ) -> Stage:
+        flight = session.in_flight
+        assert flight is not None  # callers check; an internal invariant
+        evaluator = session.evaluator
         block = flight.block + 1
-        outputs = []
-        for batch, perms in zip(flight.current, flight.permutations, strict=True):
-            evaluated = session.evaluator.evaluate_block(self.model, block - 1, batch)
+        works = [evaluator.evaluate_block(self.model, block - 1, b) for b in flight.current]
+        evaluated = yield from self._refreshing(node_id, session, lockstep(works))
+        orders = []
+        for perms in flight.permutations:
             previous = (
                 np.arange(len(perms.after_block(1))) if block == 1 else perms.after_block(block - 1)
             )
-            outputs.append(
-                session.evaluator.take(evaluated, relative(previous, perms.after_block(block)))
-            )
+            orders.append(relative(previous, perms.after_block(block)))
+        works = [evaluator.take(b, order) for b, order in zip(evaluated, orders, strict=True)]
+        outputs = yield from self._refreshing(node_id, session, lockstep(works))
         flight.block, flight.current = block, outputs
         last = block == self.num_blocks
         views = [perms.client_view() for perms in flight.permutations] if last else []
         labels = []
         if last and flight.kind == "evaluate":
-            labels = [
-                session.evaluator.take(session.eval_labels, batch[perms.after_block(block + 1)])
+            works = [
+                evaluator.take(session.eval_labels, batch[perms.after_block(block + 1)])
                 for batch, perms in zip(flight.indices, flight.permutations, strict=True)
             ]
+            labels = yield from self._refreshing(node_id, session, lockstep(works))
         request = BlockRequest(
             message_type=TRAIN_BLOCK if flight.kind == "train" else EVALUATE_BLOCK,
             node_id=node_id,
@@ -268,6 +343,12 @@ class DoubleBlindServer:
                 f"unexpected {reply.message_type} reply for round {reply.round} from node "
                 f"{reply.node_id}"
             )
+        if reply.message_type == REFRESH:
+            if flight.stage is None:
+                raise ProtocolError(f"unexpected refresh answer from node {reply.node_id}")
+            return self._advance(session, flight.stage, reply)
+        if flight.stage is not None:
+            raise ProtocolError(f"expected a refresh answer, got {reply.message_type}")
         if reply.message_type == TRAIN_LOSS:
             return self._update(reply, session)
         expected = TRAIN_BLOCK if flight.kind == "train" else EVALUATE_BLOCK
@@ -282,7 +363,7 @@ class DoubleBlindServer:
                         f"re-encrypted batch has shape {new.shape}, sent {old.shape}"
                     )
             flight.current = fresh
-            return self._next_block(reply.node_id, session, {})
+            return self._advance(session, self._block_stage(reply.node_id, session, {}))
         if flight.kind == "evaluate":
             confusion = reply.arrays.get("confusion")
             if confusion is None or confusion.shape != (self.num_classes,) * 2:
@@ -291,22 +372,37 @@ class DoubleBlindServer:
             return EvaluationResult(reply.node_id, confusion.astype(np.int64))
         probs = unpack_batches(reply, "probs", count, session.evaluator.load)
         log_probs = unpack_batches(reply, "log_probs", count, session.evaluator.load)
-        losses, gradients = [], []
-        for batch, perms, p, log_p in zip(
-            flight.indices, flight.permutations, probs, log_probs, strict=True
-        ):
+        for p, log_p, batch in zip(probs, log_probs, flight.indices, strict=True):
             expected_shape = (len(batch), self.num_classes)
             if p.shape != expected_shape or log_p.shape != expected_shape:
                 raise ProtocolError(f"predictions have shape {p.shape}, expected {expected_shape}")
-            labels = session.evaluator.take(
-                session.train_labels, batch[perms.after_block(self.num_blocks + 1)]
-            )
-            loss, gradient = session.evaluator.cross_entropy(p, log_p, labels)
-            losses.append(loss)
-            gradients.append(gradient)
+        return self._advance(session, self._loss_stage(reply.node_id, session, probs, log_probs))
+
+    def _loss_stage(
+        self,
+        node_id: int,
+        session: ClientSession,
+        probs: list[EncryptedBatch],
+        log_probs: list[EncryptedBatch],
+    ) -> Stage:
+        flight = session.in_flight
+        assert flight is not None
+        evaluator = session.evaluator
+        works = [
+            evaluator.take(session.train_labels, batch[perms.after_block(self.num_blocks + 1)])
+            for batch, perms in zip(flight.indices, flight.permutations, strict=True)
+        ]
+        labels = yield from self._refreshing(node_id, session, lockstep(works))
+        works = [
+            evaluator.cross_entropy(p, log_p, y)
+            for p, log_p, y in zip(probs, log_probs, labels, strict=True)
+        ]
+        results = yield from self._refreshing(node_id, session, lockstep(works))
+        losses = [loss for loss, _ in results]
+        gradients = [gradient for _, gradient in results]
         flight.block += 1  # the loss step
         arrays = {**pack_batches("loss", losses), **pack_batches("grad", gradients)}
-        return Envelope(TRAIN_LOSS, reply.node_id, flight.round, arrays, {"num_batches": count})
+        return Envelope(TRAIN_LOSS, node_id, flight.round, arrays, {"num_batches": len(losses)})
 
     def _update(self, reply: Envelope, session: ClientSession) -> ClientUpdate:
         flight = session.in_flight
@@ -333,3 +429,12 @@ class DoubleBlindServer:
             return self.sessions[node_id]
         except KeyError:
             raise ProtocolError(f"node {node_id} has not completed setup") from None
+
+
+def _at_once(work: Work[Any]) -> Any:
+    """The result of a work that must not need refreshes (the embedding: one level)."""
+
+    def refuse(items: list[Any]) -> list[Any]:
+        raise ProtocolError("internal: the embedding asked for a refresh")
+
+    return drive(work, refuse)

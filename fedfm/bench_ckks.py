@@ -1,0 +1,211 @@
+"""Cost of one encrypted FHE-friendly block under CKKS, against the ``simulate`` backend.
+
+For each batch size the data owner encrypts a batch of real hidden states (the distilled
+student's embedding of digits test images), the server evaluates one block on the ciphertexts,
+and every refresh is answered in process by the data owner (masked refreshes, the real
+cryptography; only the network is absent). Measured in the same run: server and client seconds,
+refreshes and round trips, bytes both ways, the error against the plaintext polynomial block
+(what the ``simulate`` backend computes) and its time.
+
+Round trips per block = refreshes + 1 (the block's output going to the client and its fresh
+encryption coming back, as in the protocol). Bytes per block count the output, the client's
+re-encryption and every refresh request and answer, as serialized for a message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedfm.approx.modules import clamped_count, reset_clamped
+from fedfm.crypto import get_backend
+from fedfm.crypto.backend import drive
+from fedfm.crypto.ckks import CkksBackend
+from fedfm.errors import ConfigError
+from fedfm.models.fhe_vit import FheViT
+from fedfm.pipeline import DistillRun, load_data, load_student
+from fedfm.protocols.double_blind.server import model_geometry
+from fedfm.results import write_results
+
+
+def _payload_bytes(payload: dict[str, np.ndarray]) -> int:
+    return sum(array.nbytes for array in payload.values())
+
+
+def measure_block(
+    model: FheViT,
+    backend: CkksBackend,
+    images: torch.Tensor,
+    *,
+    block: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One encrypted block on ``images`` (already at the model's size); a result row."""
+    geometry = model_geometry(model)
+    started = time.perf_counter()
+    owner = backend.create_key_owner(geometry=geometry)
+    public = owner.public_context()
+    evaluator = backend.create_evaluator(public, geometry)
+    keygen = time.perf_counter() - started
+    with torch.no_grad():
+        hidden = model.embed(images)
+        for index in range(block):
+            hidden = model.block(index, hidden)
+        reset_clamped(model)
+        started = time.perf_counter()
+        expected = model.block(block, hidden)
+        simulate_seconds = time.perf_counter() - started
+        clamped = clamped_count(model)
+    started = time.perf_counter()
+    batch = owner.encrypt(hidden.numpy())
+    encrypt_seconds = time.perf_counter() - started
+    upload = batch.nbytes
+    batch = evaluator.load(batch.to_payload())
+    traffic = {"bytes": 0, "client_seconds": 0.0, "refreshes": 0}
+
+    def refresh(items: list[Any]) -> list[Any]:
+        request = evaluator.refresh_payload(items)
+        started = time.perf_counter()
+        answer = owner.refresh(request)
+        traffic["client_seconds"] += time.perf_counter() - started
+        traffic["bytes"] += _payload_bytes(request) + _payload_bytes(answer)
+        traffic["refreshes"] += 1
+        return evaluator.refreshed(answer)
+
+    stats = evaluator.circuit.stats
+    before = (stats.rotations, stats.products, stats.plain_products, len(stats.places))
+    started = time.perf_counter()
+    output = drive(evaluator.evaluate_block(model, block, batch), refresh)
+    total = time.perf_counter() - started
+    download = output.nbytes
+    started = time.perf_counter()
+    decrypted = owner.decrypt(output)
+    decrypt_seconds = time.perf_counter() - started
+    error = float(np.abs(decrypted - expected.numpy()).max())
+    span = float(expected.abs().max())
+    agree = float(
+        (decrypted.argmax(axis=-1) == expected.numpy().argmax(axis=-1)).mean()
+    )  # per token, the largest feature: a coarse check that nothing flipped
+    n = len(images)
+    server_seconds = total - traffic["client_seconds"]
+    client_seconds = traffic["client_seconds"] + encrypt_seconds + decrypt_seconds
+    seconds = server_seconds + client_seconds
+    row = {
+        "batch_size": n,
+        "samples_per_ciphertext": evaluator.layout.capacity,
+        "ciphertexts_per_feature": evaluator.layout.ciphertexts_for(n),
+        "seconds_per_block": seconds,
+        "seconds_per_sample_per_block": seconds / n,
+        "server_seconds": server_seconds,
+        "client_seconds": client_seconds,
+        "refreshes": traffic["refreshes"],
+        "round_trips": traffic["refreshes"] + 1,
+        "refreshed_ciphertexts": sum(int(p.rsplit(":", 1)[1]) for p in stats.places[before[3] :]),
+        "rotations": stats.rotations - before[0],
+        "ciphertext_products": stats.products - before[1],
+        "plaintext_products": stats.plain_products - before[2],
+        "bytes_per_sample_per_block": (upload + download + traffic["bytes"]) / n,
+        "simulate_seconds": simulate_seconds,
+        "ratio_vs_simulate": seconds / simulate_seconds,
+        "max_abs_error": error,
+        "error_over_range": error / span,
+        "token_argmax_agreement": agree,
+        "reference_clamped": clamped,
+        "keygen_seconds": keygen,
+        "public_context_bytes": len(public),
+        "refresh_places": stats.places[before[3] :],
+    }
+    log(
+        f"[fedfm] bench-ckks batch {n}: {seconds:.1f} s per block "
+        f"({seconds / n:.3f} s/sample; server {server_seconds:.1f} s, client "
+        f"{client_seconds:.1f} s), {row['refreshes']} refreshes, error {error:.2e} "
+        f"({error / span:.1e} of the range)"
+    )
+    return row
+
+
+def run_ckks_benchmark(
+    run: DistillRun,
+    *,
+    backend_name: str = "ckks",
+    batch_sizes: Sequence[int] = (16, 64, 256),
+    block: int = 0,
+    results_dir: Path = Path("results"),
+    log: Callable[[str], None] = print,
+    command: str | None = None,
+) -> list[dict[str, Any]]:
+    """Measure one block per batch size and write ``results/ckks_block.{json,md}``."""
+    backend = get_backend(backend_name)
+    if not isinstance(backend, CkksBackend):
+        raise ConfigError(f"bench-ckks measures a CKKS backend, not {backend_name!r}")
+    student_path = Path(run.workdir) / "student.pt"
+    if not student_path.exists():
+        raise ConfigError(f"no distilled student at {student_path}: run `fedfm distill` first")
+    model = load_student(student_path).eval()
+    if not 0 <= block < model.num_blocks:
+        raise ConfigError(f"block must be in 0..{model.num_blocks - 1}, got {block}")
+    splits, _ = load_data(run)
+    if max(batch_sizes) > len(splits.test):
+        raise ConfigError(
+            f"batch sizes up to {len(splits.test)} (the test split), got {batch_sizes}"
+        )
+    torch.set_num_threads(1)  # the plaintext reference on one core, like SEAL here
+    rows = [
+        measure_block(model, backend, splits.test.images[:n], block=block, log=log)
+        for n in batch_sizes
+    ]
+    by_batch = {row["batch_size"]: row for row in rows}
+    headline = by_batch.get(64, rows[-1])
+    params = backend.params
+    write_results(
+        results_dir,
+        "ckks_block",
+        title="One encrypted ViT block under CKKS (TenSEAL) vs the simulate backend",
+        description=(
+            f"Block {block + 1} of the distilled student in {student_path} ({model.num_blocks} "
+            f"blocks, {model_geometry(model).tokens} tokens, width "
+            f"{model.vit.embed_dim}) on {run.dataset} test images; backend `{backend_name}`: "
+            f"N = {params.poly_modulus_degree}, primes {list(params.coeff_mod_bit_sizes)} bits, "
+            f"scale 2^{params.scale_bits}, {params.levels_between_refreshes} rescales between "
+            "masked refreshes. One process on one core; refreshes answered in process by the "
+            "data owner (no network: add round trips x RTT). `simulate` is the plaintext "
+            "polynomial block (torch, one thread) the simulate backend runs. A forward pass "
+            f"is {model.num_blocks} such blocks."
+        ),
+        rows=[{k: v for k, v in row.items() if k != "refresh_places"} for row in rows],
+        columns=[
+            ("batch_size", "batch"),
+            ("samples_per_ciphertext", "samples/ct"),
+            ("seconds_per_block", "s/block"),
+            ("seconds_per_sample_per_block", "s/sample/block"),
+            ("server_seconds", "server s"),
+            ("client_seconds", "client s"),
+            ("refreshes", "refreshes"),
+            ("round_trips", "round trips"),
+            ("bytes_per_sample_per_block", "bytes/sample/block"),
+            ("ratio_vs_simulate", "x simulate"),
+            ("error_over_range", "max error / range"),
+        ],
+        extra={
+            "backend": backend_name,
+            "parameters": {
+                "poly_modulus_degree": params.poly_modulus_degree,
+                "coeff_mod_bit_sizes": list(params.coeff_mod_bit_sizes),
+                "scale_bits": params.scale_bits,
+                "levels_between_refreshes": params.levels_between_refreshes,
+            },
+            "seconds_per_sample_per_block": headline["seconds_per_sample_per_block"],
+            "seconds_per_sample_per_forward": headline["seconds_per_sample_per_block"]
+            * model.num_blocks,
+            "headline_batch_size": headline["batch_size"],
+            "refresh_places": {row["batch_size"]: row["refresh_places"] for row in rows},
+            "cores_used": 1,
+        },
+        command=command,
+    )
+    return rows

@@ -1,0 +1,381 @@
+"""Homomorphic arithmetic on SEAL ciphertexts with level tracking and client-assisted refreshes.
+
+The CKKS evaluator works on ``tenseal.sealapi`` ciphertexts directly: TenSEAL's ``CKKSVector``
+rescales after every product and cannot rotate by chosen steps. A :class:`Circuit` keeps every
+ciphertext at the scale ``2**scale_bits``: a plaintext factor is encoded at the scale of the
+prime the product is then divided by, so a product of a ciphertext and a plaintext keeps the
+scale exactly; after a ciphertext x ciphertext product the scale is reset to ``2**scale_bits``
+(a relative error below ``1e-7`` since the primes lie that close to ``2**scale_bits``). Sums of
+products are computed lazily: products of one sum are added before a single relinearisation and
+rescale.
+
+Depth. A ciphertext's *headroom* is the number of rescales left before it reaches the refresh
+level (the chain's first two primes, kept for the mask: :mod:`fedfm.crypto.refresh`). An
+operation that needs a level from an operand without headroom first refreshes it. Refreshing
+needs the data owner, so every method that may refresh is a generator (a :data:`Work`): it yields
+a list of masked ciphertexts, is sent back the data owner's fresh ones, and returns its result.
+:func:`~fedfm.crypto.backend.run_lockstep` advances several works together so that their refreshes
+travel in one round trip.
+
+Polynomials are traced (:class:`Traced`) through the same evaluators the plaintext model uses
+(:mod:`fedfm.approx.evaluate`), then executed here: one source of truth for every coefficient and
+iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tenseal as ts
+import tenseal.sealapi as sealapi
+
+from fedfm.crypto.backend import Work
+from fedfm.errors import CryptoParameterError, ProtocolError
+
+Ciphertext = Any  # sealapi.Ciphertext (TenSEAL registers it under its own module)
+
+
+@dataclass
+class CircuitStats:
+    """Operation counts of one circuit (reported by benchmarks)."""
+
+    refreshes: int = 0
+    refreshed_ciphertexts: int = 0
+    rotations: int = 0
+    products: int = 0
+    plain_products: int = 0
+    places: list[str] = field(default_factory=list)
+
+
+class Circuit:
+    """SEAL operations on one data owner's ciphertexts, from its *public* TenSEAL context."""
+
+    def __init__(self, context: ts.Context, refresher: Any) -> None:
+        if context.is_private():
+            raise CryptoParameterError("the evaluating circuit must not hold a secret key")
+        self.seal = context.seal_context().data
+        self.evaluator = sealapi.Evaluator(self.seal)
+        self.encoder = sealapi.CKKSEncoder(self.seal)
+        self.relin_keys = context.relin_keys().data
+        self.galois_keys = context.galois_keys().data if context.has_galois_keys() else None
+        self.scale = float(context.global_scale)
+        self.slots = self.encoder.slot_count()
+        self.refresher = refresher
+        self.stats = CircuitStats()
+        self._vectors: dict[tuple[Any, ...], Any] = {}
+        self._steps: list[int] = []
+
+    # -- levels ----------------------------------------------------------------------------------
+    def headroom(self, ct: Ciphertext) -> int:
+        """Rescales left before ``ct`` reaches the refresh level (chain index 1)."""
+        return self.seal.get_context_data(ct.parms_id()).chain_index() - 1
+
+    def _last_prime(self, ct: Ciphertext) -> int:
+        data = self.seal.get_context_data(ct.parms_id())
+        return int(data.parms().coeff_modulus()[-1].value())
+
+    def _require(self, ct: Ciphertext) -> None:
+        if self.headroom(ct) < 1:
+            raise ProtocolError("internal: a ciphertext without headroom reached a product")
+
+    def align(self, cts: Sequence[Ciphertext]) -> list[Ciphertext]:
+        """The ciphertexts switched (without rescaling) down to the lowest level among them."""
+        lowest = min(cts, key=self.headroom)
+        target = lowest.parms_id()
+        out = []
+        for ct in cts:
+            if ct.parms_id() != target:
+                ct = self._out(self.evaluator.mod_switch_to, ct, target)
+            out.append(ct)
+        return out
+
+    # -- refreshes -------------------------------------------------------------------------------
+    def refresh(self, cts: list[Ciphertext], place: str) -> Work[list[Ciphertext]]:
+        """Masked client-assisted refresh of ``cts`` (one round trip)."""
+        masked, masks = [], []
+        for ct in cts:
+            hidden, mask = self.refresher.mask(ct)
+            masked.append(hidden)
+            masks.append(mask)
+        fresh = yield masked
+        if len(fresh) != len(cts):
+            raise ProtocolError(f"refresh returned {len(fresh)} ciphertexts for {len(cts)}")
+        self.stats.refreshes += 1
+        self.stats.refreshed_ciphertexts += len(cts)
+        self.stats.places.append(f"{place}:{len(cts)}")
+        return [self.refresher.unmask(ct, mask) for ct, mask in zip(fresh, masks, strict=True)]
+
+    def ensure(
+        self, tensors: list[list[Ciphertext]], levels: int, place: str
+    ) -> Work[list[list[Ciphertext]]]:
+        """``tensors`` with every ciphertext of less than ``levels`` headroom refreshed.
+
+        All of them travel in one round trip; a tensor is refreshed whole (its ciphertexts are
+        usually at one level) so that its parts stay aligned.
+        """
+        low = [i for i, cts in enumerate(tensors) if any(self.headroom(c) < levels for c in cts)]
+        if not low:
+            return tensors
+        flat = [ct for i in low for ct in tensors[i]]
+        fresh = yield from self.refresh(flat, place)
+        out = list(tensors)
+        offset = 0
+        for i in low:
+            out[i] = fresh[offset : offset + len(tensors[i])]
+            offset += len(tensors[i])
+        return out
+
+    # -- plaintexts ------------------------------------------------------------------------------
+    def _scalar(self, value: float, ct: Ciphertext, scale: float) -> Any:
+        plain = sealapi.Plaintext()
+        self.encoder.encode(float(value), ct.parms_id(), scale, plain)
+        return plain
+
+    def _vector(self, key: Any, vector: np.ndarray, ct: Ciphertext, scale: float) -> Any:
+        """``vector`` encoded for ``ct``'s level; cached under ``key`` unless it is ``None``."""
+        cache_key = (key, tuple(ct.parms_id()), scale)
+        plain = None if key is None else self._vectors.get(cache_key)
+        if plain is None:
+            plain = sealapi.Plaintext()
+            values = np.asarray(vector, dtype=np.float64).tolist()
+            self.encoder.encode(values, ct.parms_id(), scale, plain)
+            if key is not None:
+                self._vectors[cache_key] = plain
+        return plain
+
+    def _out(self, operation: Any, *args: Any) -> Ciphertext:
+        """Run a SEAL evaluator operation that writes into a new ciphertext."""
+        result = sealapi.Ciphertext(self.seal)
+        operation(*args, result)
+        return result
+
+    def _rescale(self, ct: Ciphertext) -> Ciphertext:
+        self.evaluator.rescale_to_next_inplace(ct)
+        ct.scale = self.scale
+        return ct
+
+    # -- arithmetic ------------------------------------------------------------------------------
+    def add(self, a: Ciphertext, b: Ciphertext) -> Ciphertext:
+        a, b = self.align([a, b])
+        return self._out(self.evaluator.add, a, b)
+
+    def sub(self, a: Ciphertext, b: Ciphertext) -> Ciphertext:
+        a, b = self.align([a, b])
+        return self._out(self.evaluator.sub, a, b)
+
+    def add_scalar(self, ct: Ciphertext, value: float) -> Ciphertext:
+        return self._out(self.evaluator.add_plain, ct, self._scalar(value, ct, ct.scale))
+
+    def add_vector(self, ct: Ciphertext, key: Any, vector: np.ndarray) -> Ciphertext:
+        return self._out(self.evaluator.add_plain, ct, self._vector(key, vector, ct, ct.scale))
+
+    def negate(self, ct: Ciphertext) -> Ciphertext:
+        return self._out(self.evaluator.negate, ct)
+
+    def weighted_sum(
+        self, terms: Sequence[tuple[Ciphertext, float]], bias: float = 0.0
+    ) -> Ciphertext:
+        """``sum_i w_i x_i + bias`` (one level): products summed before one rescale."""
+        # A zero plaintext factor would make SEAL refuse a transparent product.
+        kept = [(ct, w) for ct, w in terms if abs(w) > 1e-12]
+        if not kept:
+            raise ProtocolError("a weighted sum with all weights zero has no ciphertext result")
+        cts = self.align([ct for ct, _ in kept])
+        prime = float(self._last_prime(cts[0]))
+        total = None
+        for ct, (_, weight) in zip(cts, kept, strict=True):
+            self._require(ct)
+            product = self._out(self.evaluator.multiply_plain, ct, self._scalar(weight, ct, prime))
+            if total is None:
+                total = product
+            else:
+                self.evaluator.add_inplace(total, product)
+        self.stats.plain_products += len(kept)
+        total = self._rescale(total)
+        return self.add_scalar(total, bias) if bias else total
+
+    def masked_sum(self, terms: Sequence[tuple[Ciphertext, Any, np.ndarray]]) -> Ciphertext:
+        """``sum_i x_i * m_i`` for plaintext slot vectors ``m_i`` (cached by key; one level)."""
+        terms = [term for term in terms if np.any(term[2])]
+        if not terms:
+            raise ProtocolError("a masked sum with all masks zero has no ciphertext result")
+        cts = self.align([ct for ct, _, _ in terms])
+        prime = float(self._last_prime(cts[0]))
+        total = None
+        for ct, (_, key, vector) in zip(cts, terms, strict=True):
+            self._require(ct)
+            product = self._out(
+                self.evaluator.multiply_plain, ct, self._vector(key, vector, ct, prime)
+            )
+            if total is None:
+                total = product
+            else:
+                self.evaluator.add_inplace(total, product)
+        self.stats.plain_products += len(terms)
+        return self._rescale(total)
+
+    def product_sum(self, pairs: Sequence[tuple[Ciphertext, Ciphertext]]) -> Ciphertext:
+        """``sum_i a_i * b_i`` of ciphertexts: one relinearisation and one rescale in all."""
+        cts = self.align([ct for pair in pairs for ct in pair])
+        total = None
+        for a, b in zip(cts[::2], cts[1::2], strict=True):
+            self._require(a)
+            product = self._out(self.evaluator.multiply, a, b)
+            if total is None:
+                total = product
+            else:
+                self.evaluator.add_inplace(total, product)
+        self.stats.products += len(pairs)
+        self.evaluator.relinearize_inplace(total, self.relin_keys)
+        return self._rescale(total)
+
+    def multiply(self, a: Ciphertext, b: Ciphertext) -> Ciphertext:
+        return self.product_sum([(a, b)])
+
+    def scale_by(self, ct: Ciphertext, value: float) -> Ciphertext:
+        return self.weighted_sum([(ct, value)])
+
+    # -- rotations -------------------------------------------------------------------------------
+    def declare_steps(self, steps: Sequence[int]) -> None:
+        """Use the rotation keys for ``steps``; refuse a public context that lacks any of them."""
+        tool = self.seal.key_context_data().galois_tool()
+        missing = [
+            step
+            for step in steps
+            if self.galois_keys is None
+            or not self.galois_keys.has_key(tool.get_elt_from_step(step))
+        ]
+        if missing:
+            raise CryptoParameterError(
+                f"public context lacks rotation keys for steps {missing}; the data owner must "
+                "create it for this model's slot layout"
+            )
+        self._steps = sorted(set(steps))
+
+    def rotate(self, ct: Ciphertext, steps: int) -> Ciphertext:
+        """``ct`` rotated left by ``steps`` slots (right if negative), composing keyed steps."""
+        if steps == 0:
+            return ct
+        if steps in self._steps:
+            self.stats.rotations += 1
+            return self._out(self.evaluator.rotate_vector, ct, steps, self.galois_keys)
+        # Greedy decomposition into keyed steps of the same sign (powers of two).
+        same_sign = sorted((s for s in self._steps if s * steps > 0), key=abs)
+        remaining = steps
+        out = ct
+        for step in reversed(same_sign):
+            while abs(remaining) >= abs(step) and remaining * step > 0:
+                out = self._out(self.evaluator.rotate_vector, out, step, self.galois_keys)
+                self.stats.rotations += 1
+                remaining -= step
+        if remaining:
+            raise CryptoParameterError(f"no rotation keys compose a rotation by {steps} slots")
+        return out
+
+
+# -- traced polynomials ---------------------------------------------------------------------------
+class Traced:
+    """A symbolic value: running an evaluator of :mod:`fedfm.approx.evaluate` on it records the
+    operations (a DAG) that :func:`evaluate_traced` then executes on ciphertexts."""
+
+    __slots__ = ("args", "const", "op")
+
+    def __init__(self, op: str, args: tuple[Traced, ...] = (), const: float = 0.0) -> None:
+        self.op = op
+        self.args = args
+        self.const = const
+
+    def __add__(self, other: Any) -> Traced:
+        if isinstance(other, Traced):
+            return Traced("add", (self, other))
+        return Traced("add_c", (self,), float(other))
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> Traced:
+        if isinstance(other, Traced):
+            return Traced("sub", (self, other))
+        return Traced("add_c", (self,), -float(other))
+
+    def __rsub__(self, other: Any) -> Traced:
+        return Traced("rsub_c", (self,), float(other))
+
+    def __mul__(self, other: Any) -> Traced:
+        if isinstance(other, Traced):
+            return Traced("mul", (self, other))
+        return Traced("mul_c", (self,), float(other))
+
+    __rmul__ = __mul__
+
+
+def evaluate_traced(
+    circuit: Circuit,
+    output: Traced,
+    inputs: dict[Traced, list[Ciphertext]],
+    place: str,
+) -> Work[list[Ciphertext]]:
+    """Execute the traced ``output`` on each ciphertext of the input tensors, refreshing greedily.
+
+    A product whose operand has no headroom refreshes that operand's whole tensor first (both
+    operands in one round trip when both need it).
+    """
+    memo: dict[int, list[Ciphertext]] = {id(node): cts for node, cts in inputs.items()}
+    order: list[Traced] = []
+    seen: set[int] = set(memo)
+
+    def visit(node: Traced) -> None:
+        stack = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if id(current) in seen and not expanded:
+                continue
+            if expanded:
+                order.append(current)
+                continue
+            seen.add(id(current))
+            stack.append((current, True))
+            stack.extend((arg, False) for arg in current.args if id(arg) not in seen)
+
+    visit(output)
+    for node in order:
+        if node.op == "input":
+            raise ProtocolError("traced polynomial has an input that was not provided")
+        args = [memo[id(arg)] for arg in node.args]
+        if node.op in ("mul", "mul_c"):
+            low = [
+                arg
+                for arg, values in zip(node.args, args, strict=True)
+                if any(circuit.headroom(ct) < 1 for ct in values)
+            ]
+            if low:
+                unique = list({id(arg): arg for arg in low}.values())
+                fresh = yield from circuit.ensure([memo[id(arg)] for arg in unique], 1, place)
+                for arg, values in zip(unique, fresh, strict=True):
+                    memo[id(arg)] = values
+                args = [memo[id(arg)] for arg in node.args]
+        memo[id(node)] = [_apply(circuit, node, *items) for items in zip(*args, strict=True)]
+    return memo[id(output)]
+
+
+def _apply(circuit: Circuit, node: Traced, *cts: Ciphertext) -> Ciphertext:
+    if node.op == "add":
+        return circuit.add(*cts)
+    if node.op == "sub":
+        return circuit.sub(*cts)
+    if node.op == "mul":
+        return circuit.multiply(*cts)
+    if node.op == "mul_c":
+        return circuit.scale_by(cts[0], node.const)
+    if node.op == "add_c":
+        return circuit.add_scalar(cts[0], node.const)
+    if node.op == "rsub_c":
+        return circuit.add_scalar(circuit.negate(cts[0]), node.const)
+    raise ProtocolError(f"unknown traced operation {node.op!r}")
+
+
+def symbol() -> Traced:
+    """A fresh traced input."""
+    return Traced("input")

@@ -1,0 +1,530 @@
+"""The FHE-friendly ViT on packed CKKS ciphertexts: embedding, blocks, permutations, the loss.
+
+A *tensor* here is ``list[list[ciphertext]]``, indexed ``[feature][ciphertext]``, in the slot
+layout of :mod:`fedfm.crypto.packing`. Every function mirrors the plaintext module it replaces
+(:class:`~fedfm.models.fhe_vit.FheViT`, :class:`~fedfm.approx.ApproxLayerNorm`,
+:class:`~fedfm.approx.ApproxSoftmax`, :class:`~fedfm.approx.ApproxGELU`): the polynomials are the
+model's own specs, traced through :mod:`fedfm.approx.evaluate`; the constants that the plaintext
+model applies after a division (LayerNorm's weight, bias and ``1/sqrt(bound)``, softmax's
+``1/bound``) are folded into the next linear layer, which costs no level.
+
+Slots that hold no real token (token copies after attention, empty groups) are kept bounded by
+plaintext masks inside existing products, so no polynomial diverges there: the centred inputs of a
+LayerNorm are zero outside its mask, attention logits are zero outside real tokens and the
+softmax normaliser is 1 there. Token copies are rebuilt (:func:`restore_copies`) before a block
+whose input came out of another block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedfm.approx.evaluate import evaluate_inv_sqrt, evaluate_inverse, polyval
+from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax
+from fedfm.crypto.backend import Work
+from fedfm.crypto.benes import benes_layers, drop_identity_layers, pad_permutation
+from fedfm.crypto.circuit import Ciphertext, Circuit, evaluate_traced, symbol
+from fedfm.crypto.packing import SlotLayout
+from fedfm.errors import ModelError, ProtocolError
+from fedfm.models.fhe_vit import FheAttention, FheViT
+
+Tensor = list[list[Ciphertext]]
+
+
+def _array(parameter: torch.Tensor | None, size: int) -> np.ndarray:
+    if parameter is None:
+        return np.zeros(size)
+    return parameter.detach().double().numpy().copy()
+
+
+def _bound(module: ApproxLayerNorm | ApproxSoftmax) -> float:
+    bound = float(module.input_bound)
+    if not math.isfinite(bound) or bound <= 0:
+        raise ModelError(f"{type(module).__name__} is not calibrated: no input bound")
+    return bound
+
+
+def check_encryptable(model: FheViT) -> None:
+    """Refuse models whose blocks are not entirely polynomial or hold unsupported layers."""
+    approx = model.approx
+    if None in (approx.exp, approx.inverse, approx.gelu, approx.inv_sqrt):
+        raise ModelError(
+            "CKKS evaluates polynomials only: every approximation (exp, inverse, gelu, inv_sqrt) "
+            f"must be set, got {approx.describe()}"
+        )
+    for index, block in enumerate(model.vit.blocks):
+        identities = (block.ls1, block.ls2, block.attn.q_norm, block.attn.k_norm, block.attn.norm)
+        if not all(isinstance(m, nn.Identity) for m in (*identities, block.mlp.norm)):
+            raise ModelError(f"block {index}: layer scale and q/k norms are not supported")
+        if not isinstance(block.mlp.act, ApproxGELU):
+            raise ModelError(f"block {index}: the MLP activation is not the approximated GELU")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``y = x W^T + b`` as plain arrays (after folding)."""
+
+    weight: np.ndarray  # (out, in)
+    bias: np.ndarray  # (out,)
+
+    @classmethod
+    def of(cls, module: nn.Linear) -> Linear:
+        return cls(_array(module.weight, 0), _array(module.bias, module.out_features))
+
+    def after_norm(self, norm: ApproxLayerNorm, centring: float) -> Linear:
+        """Fold ``weight * c / (centring * sqrt(bound)) + bias`` of the LayerNorm into this layer.
+
+        The encrypted LayerNorm outputs ``c * centring * y`` where the plaintext one outputs
+        ``c * y / sqrt(bound) * weight + bias``.
+        """
+        gamma = _array(norm.weight, norm.dim) / (centring * math.sqrt(_bound(norm)))
+        beta = _array(norm.bias, norm.dim)
+        return Linear(self.weight * gamma[None, :], self.bias + self.weight @ beta)
+
+    def rows(self, start: int, stop: int) -> Linear:
+        return Linear(self.weight[start:stop], self.bias[start:stop])
+
+    def scaled(self, factor: float) -> Linear:
+        return Linear(self.weight * factor, self.bias)
+
+
+def linear(circuit: Circuit, layer: Linear, x: Tensor) -> Tensor:
+    """Each output feature as a weighted sum of the input features (one level, no rotation)."""
+    if len(x) != layer.weight.shape[1]:
+        raise ProtocolError(f"linear layer expects {layer.weight.shape[1]} features, got {len(x)}")
+    count = len(x[0])
+    return [
+        [
+            circuit.weighted_sum(
+                [(x[i][c], float(layer.weight[o, i])) for i in range(len(x))],
+                float(layer.bias[o]),
+            )
+            for c in range(count)
+        ]
+        for o in range(layer.weight.shape[0])
+    ]
+
+
+def _flat(tensor: Tensor) -> list[Ciphertext]:
+    return [ct for feature in tensor for ct in feature]
+
+
+def _shape(flat: list[Ciphertext], features: int) -> Tensor:
+    width = len(flat) // features
+    return [flat[i * width : (i + 1) * width] for i in range(features)]
+
+
+def add(circuit: Circuit, a: Tensor, b: Tensor) -> Tensor:
+    pairs = zip(a, b, strict=True)
+    return [[circuit.add(x, y) for x, y in zip(fa, fb, strict=True)] for fa, fb in pairs]
+
+
+# -- embedding ------------------------------------------------------------------------------------
+def embedding_table(model: FheViT) -> tuple[Linear, np.ndarray]:
+    """The patch projection as a linear layer and the per-token additive term ``(T, D)``."""
+    vit = model.vit
+    conv = vit.patch_embed.proj
+    if vit.no_embed_class or vit.cls_token is None or not isinstance(vit.norm_pre, nn.Identity):
+        raise ModelError("the CKKS embedding needs a class token with its position embedding")
+    weight = conv.weight.detach().double().numpy().reshape(conv.out_channels, -1)
+    bias = _array(conv.bias, conv.out_channels)
+    position = vit.pos_embed.detach().double().numpy()[0].copy()
+    position[0] += vit.cls_token.detach().double().numpy()[0, 0] - bias  # no patch at token 0
+    return Linear(weight, bias), position
+
+
+def embed(
+    circuit: Circuit, model: FheViT, layout: SlotLayout, patches: Tensor, samples: int
+) -> Tensor:
+    """``b_0``: patch projection plus class token and position embedding (one level).
+
+    ``patches`` holds ``C * p * p`` features with token 0 empty (the client encrypts zeros there).
+    """
+    projection, position = embedding_table(model)
+    hidden = linear(circuit, projection, patches)
+    per_token = np.broadcast_to(position, (samples, *position.shape))
+    slots = layout.pack(np.ascontiguousarray(per_token)) * layout.occupied(samples)[None]
+    return [
+        [
+            circuit.add_vector(ct, ("embed", id(model), samples, f, c), slots[f, c])
+            for c, ct in enumerate(feature)
+        ]
+        for f, feature in enumerate(hidden)
+    ]
+
+
+# -- LayerNorm, attention, MLP --------------------------------------------------------------------
+def layer_norm(
+    circuit: Circuit,
+    norm: ApproxLayerNorm,
+    x: Tensor,
+    mask: np.ndarray,
+    mask_key: tuple[object, ...],
+    place: str,
+) -> Work[tuple[Tensor, float]]:
+    """The LayerNorm's output *before* its weight and bias, and the factor to fold with them.
+
+    ``c_i = a (x_i - mean)`` with ``a = 1/sqrt(D * bound)`` (zero outside ``mask``), so that
+    ``u = sum_i c_i**2 + eps/bound`` is the scaled variance; ``y = 1/sqrt(u)`` by the model's
+    Newton spec; the output ``c_i * y`` equals ``centred * inv_std * a * sqrt(bound)``.
+    """
+    dim = len(x)
+    bound = _bound(norm)
+    centring = 1.0 / math.sqrt(dim * bound)
+    (x,) = yield from circuit.ensure([_flat(x)], 1, place)
+    x = _shape(x, dim)
+    count = len(x[0])
+    totals = []
+    for c in range(count):
+        total = x[0][c]
+        for feature in x[1:]:
+            total = circuit.add(total, feature[c])
+        totals.append(total)
+    centred = [
+        [
+            circuit.masked_sum(
+                [
+                    (x[i][c], ("ln", id(norm), "x", *mask_key, c), mask[c] * centring),
+                    (totals[c], ("ln", id(norm), "mean", *mask_key, c), mask[c] * -centring / dim),
+                ]
+            )
+            for c in range(count)
+        ]
+        for i in range(dim)
+    ]
+    (flat,) = yield from circuit.ensure([_flat(centred)], 1, place)
+    centred = _shape(flat, dim)
+    variance = [
+        circuit.add_scalar(
+            circuit.product_sum([(centred[i][c], centred[i][c]) for i in range(dim)]),
+            norm.eps / bound,
+        )
+        for c in range(count)
+    ]
+    u = symbol()
+    inv_std = yield from evaluate_traced(
+        circuit, evaluate_inv_sqrt(norm.spec, u), {u: variance}, f"{place}/inv_sqrt"
+    )
+    tensors = yield from circuit.ensure([_flat(centred), inv_std], 1, place)
+    centred, inv_std = _shape(tensors[0], dim), tensors[1]
+    out = [[circuit.multiply(feature[c], inv_std[c]) for c in range(count)] for feature in centred]
+    return out, centring
+
+
+def _shifted(circuit: Circuit, cts: list[Ciphertext], tokens: int) -> list[list[Ciphertext]]:
+    """Each ciphertext rotated left by ``0 .. tokens - 1`` slots (one rotation per shift)."""
+    out = []
+    for ct in cts:
+        shifts = [ct]
+        for d in range(1, tokens):
+            power = 1 << (d.bit_length() - 1)
+            shifts.append(circuit.rotate(shifts[d - power], power))
+        out.append(shifts)
+    return out
+
+
+def attention(
+    circuit: Circuit,
+    attn: FheAttention,
+    norm: ApproxLayerNorm,
+    layout: SlotLayout,
+    x: Tensor,
+    samples: int,
+    place: str,
+) -> Work[Tensor]:
+    """``attn(norm(x))`` for the token layout with copies (the block's first half)."""
+    softmax = attn.softmax
+    occupied, valid = layout.occupied(samples), layout.valid(samples)
+    normed, centring = yield from layer_norm(
+        circuit, norm, x, occupied, ("occupied", samples), f"{place}/norm1"
+    )
+    qkv = Linear.of(attn.qkv).after_norm(norm, centring)
+    dim, heads, head_dim = len(x), attn.num_heads, attn.head_dim
+    (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/qkv")
+    normed = _shape(flat, dim)
+    q = linear(circuit, qkv.rows(0, dim).scaled(attn.scale), normed)
+    k = linear(circuit, qkv.rows(dim, 2 * dim), normed)
+    v = linear(circuit, qkv.rows(2 * dim, 3 * dim), normed)
+    tensors = yield from circuit.ensure([_flat(q), _flat(k), _flat(v)], 1, f"{place}/logits")
+    q, k, v = (_shape(t, dim) for t in tensors)
+    count, tokens = len(x[0]), layout.tokens
+    logits: list[Ciphertext] = []  # [head][shift][ciphertext], flattened
+    shifted_v = []
+    for h in range(heads):
+        features = range(h * head_dim, (h + 1) * head_dim)
+        for c in range(count):
+            k_shifts = _shifted(circuit, [k[j][c] for j in features], tokens)
+            for d in range(tokens):
+                logits.append(
+                    circuit.product_sum([(q[j][c], k_shifts[n][d]) for n, j in enumerate(features)])
+                )
+        shifted_v.append(
+            [_shifted(circuit, [v[j][c] for c in range(count)], tokens) for j in features]
+        )
+    (logits,) = yield from circuit.ensure([logits], 1, f"{place}/mask")
+    per_head = count * tokens
+    logits = [
+        circuit.masked_sum(
+            [(ct, ("valid", samples, i // tokens % count), valid[i // tokens % count])]
+        )
+        for i, ct in enumerate(logits)
+    ]
+    a = symbol()
+    numerators = yield from evaluate_traced(
+        circuit, polyval(softmax.exp_spec, a), {a: logits}, f"{place}/exp"
+    )
+    bound = _bound(softmax)
+    scaled = []
+    for h in range(heads):
+        for c in range(count):
+            start = h * per_head + c * tokens
+            total = numerators[start]
+            for ct in numerators[start + 1 : start + tokens]:
+                total = circuit.add(total, ct)
+            scaled.append(total)
+    (scaled,) = yield from circuit.ensure([scaled], 1, f"{place}/normaliser")
+    scaled = [
+        circuit.add_vector(
+            circuit.masked_sum(
+                [(ct, ("inv", samples, i % count, bound), valid[i % count] / bound)]
+            ),
+            ("one", samples, i % count),
+            1.0 - valid[i % count],
+        )
+        for i, ct in enumerate(scaled)
+    ]
+    s = symbol()
+    inverse = yield from evaluate_traced(
+        circuit, evaluate_inverse(softmax.inverse_spec, s), {s: scaled}, f"{place}/inverse"
+    )
+    tensors = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
+    numerators, inverse = tensors
+    weights = [
+        circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)
+    ]  # i // tokens = head * count + c
+    flat_v = [ct for head in shifted_v for feature in head for shifts in feature for ct in shifts]
+    tensors = yield from circuit.ensure([weights, flat_v], 1, f"{place}/values")
+    weights, flat_v = tensors
+    out: Tensor = []
+    for h in range(heads):
+        for n in range(head_dim):
+            row = []
+            for c in range(count):
+                base = ((h * head_dim + n) * count + c) * tokens
+                pairs = [
+                    (weights[(h * count + c) * tokens + d], flat_v[base + d]) for d in range(tokens)
+                ]
+                row.append(circuit.product_sum(pairs))
+            out.append(row)
+    (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
+    # 1/bound of the softmax is folded into the projection.
+    return linear(circuit, Linear.of(attn.proj).scaled(1.0 / bound), _shape(flat, dim))
+
+
+def mlp(
+    circuit: Circuit,
+    block: nn.Module,
+    layout: SlotLayout,
+    x: Tensor,
+    samples: int,
+    place: str,
+) -> Work[Tensor]:
+    """``mlp(norm2(x))`` (the block's second half)."""
+    normed, centring = yield from layer_norm(
+        circuit, block.norm2, x, layout.valid(samples), ("valid", samples), f"{place}/norm2"
+    )
+    (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/fc1")
+    hidden = linear(
+        circuit, Linear.of(block.mlp.fc1).after_norm(block.norm2, centring), _shape(flat, len(x))
+    )
+    h = symbol()
+    activated = yield from evaluate_traced(
+        circuit, polyval(block.mlp.act.spec, h), {h: _flat(hidden)}, f"{place}/gelu"
+    )
+    (activated,) = yield from circuit.ensure([activated], 1, f"{place}/fc2")
+    return linear(circuit, Linear.of(block.mlp.fc2), _shape(activated, len(hidden)))
+
+
+def block(
+    circuit: Circuit,
+    model: FheViT,
+    index: int,
+    layout: SlotLayout,
+    x: Tensor,
+    samples: int,
+) -> Work[Tensor]:
+    """Block ``index`` of ``model``; ``x`` must have valid token copies."""
+    vit_block = model.vit.blocks[index]
+    place = f"block{index + 1}"
+    attended = yield from attention(
+        circuit, vit_block.attn, vit_block.norm1, layout, x, samples, place
+    )
+    x = add(circuit, x, attended)
+    return add(circuit, x, (yield from mlp(circuit, vit_block, layout, x, samples, place)))
+
+
+def restore_copies(circuit: Circuit, layout: SlotLayout, x: Tensor, samples: int) -> Work[Tensor]:
+    """Rebuild the token copies (and zero everything else) after a block (one level)."""
+    (flat,) = yield from circuit.ensure([_flat(x)], 1, "copies")
+    x = _shape(flat, len(x))
+    valid, copied = layout.valid(samples), layout.copied(samples)
+    return [
+        [
+            circuit.masked_sum(
+                [
+                    (ct, ("valid", samples, c), valid[c]),
+                    (
+                        circuit.rotate(ct, -layout.tokens),
+                        ("copy", samples, c),
+                        np.roll(copied[c], layout.tokens),
+                    ),
+                ]
+            )
+            for c, ct in enumerate(feature)
+        ]
+        for feature in x
+    ]
+
+
+# -- permutations of samples ----------------------------------------------------------------------
+def permute(
+    circuit: Circuit,
+    layout: SlotLayout,
+    x: Tensor,
+    samples: int,
+    permutation: np.ndarray,
+) -> Work[Tensor]:
+    """Output sample ``i`` = input sample ``permutation[i]`` (a Benes network of masked swaps).
+
+    ``permutation`` has ``len <= samples`` distinct entries below ``samples``: a selection in a
+    chosen order. Groups of the output beyond ``len(permutation)`` are zeroed.
+    """
+    chosen = np.asarray(permutation, dtype=np.int64)
+    if chosen.ndim != 1 or chosen.size < 1 or chosen.size > samples:
+        raise ProtocolError(f"cannot select {chosen.size} of {samples} samples")
+    if (chosen < 0).any() or (chosen >= samples).any() or len(set(chosen.tolist())) != chosen.size:
+        raise ProtocolError("a permutation of encrypted samples needs distinct in-range indices")
+    capacity = layout.capacity
+    size = max(2, 1 << (samples - 1).bit_length())
+    unused = np.setdiff1d(np.arange(size), chosen)
+    full = pad_permutation(np.concatenate([chosen, unused]), size)
+    layers = drop_identity_layers(benes_layers(full))
+    count = max(len(x[0]), size // capacity)
+    state: list[list[Ciphertext | None]] = [
+        list(feature) + [None] * (count - len(feature)) for feature in x
+    ]
+    for number, layer in enumerate(layers):
+        live = [ct for feature in state for ct in feature if ct is not None]
+        (fresh,) = yield from circuit.ensure([live], 1, "permute")
+        iterator = iter(fresh)
+        state = [[next(iterator) if ct is not None else None for ct in f] for f in state]
+        state = [_swap_layer(circuit, layout, feature, layer, number) for feature in state]
+    kept = layout.ciphertexts_for(chosen.size)
+    out = [feature[:kept] for feature in state]
+    stray = full[chosen.size : kept * capacity]
+    if (stray < samples).any():  # unselected samples landed in the kept ciphertexts
+        (flat,) = yield from circuit.ensure([_flat(out)], 1, "permute")
+        out = _shape(flat, len(x))
+        occupied = layout.occupied(chosen.size)
+        out = [
+            [
+                circuit.masked_sum([(ct, ("occupied", chosen.size, c), occupied[c])])
+                for c, ct in enumerate(feature)
+            ]
+            for feature in out
+        ]
+    if any(ct is None for feature in out for ct in feature):
+        raise ProtocolError("internal: a permutation left an output ciphertext empty")
+    return out  # type: ignore[return-value]
+
+
+def _swap_layer(
+    circuit: Circuit,
+    layout: SlotLayout,
+    feature: list[Ciphertext | None],
+    layer: object,
+    number: int,
+) -> list[Ciphertext | None]:
+    distance: int = layer.distance  # type: ignore[attr-defined]
+    swap: np.ndarray = layer.swap  # type: ignore[attr-defined]
+    capacity, count = layout.capacity, len(feature)
+    low = np.zeros(count * capacity, dtype=bool)
+    low[: swap.size] = swap
+    high = np.zeros_like(low)
+    high[distance:] = low[:-distance]
+    keep = ~(low | high)
+
+    def masks(selected: np.ndarray) -> np.ndarray:
+        return layout.group_mask(selected, layout.group)
+
+    out: list[Ciphertext | None] = []
+    if distance < capacity:
+        keep_m, low_m, high_m = masks(keep), masks(low), masks(high)
+        step = distance * layout.group
+        for c, ct in enumerate(feature):
+            if ct is None:
+                out.append(None)
+                continue
+            terms = [(ct, None, keep_m[c])] if keep_m[c].any() else []
+            if low_m[c].any():
+                terms.append((circuit.rotate(ct, step), None, low_m[c]))
+            if high_m[c].any():
+                terms.append((circuit.rotate(ct, -step), None, high_m[c]))
+            out.append(circuit.masked_sum(terms) if terms else None)
+        return out
+    offset = distance // capacity
+    keep_m, low_m, high_m = masks(keep), masks(low), masks(high)
+    for c, ct in enumerate(feature):
+        partner_index = c + offset if (c // offset) % 2 == 0 else c - offset
+        partner = feature[partner_index] if partner_index < count else None
+        selected = low_m[c] if partner_index > c else high_m[c]
+        terms = []
+        if ct is not None and keep_m[c].any():
+            terms.append((ct, None, keep_m[c]))
+        if partner is not None and selected.any():
+            terms.append((partner, None, selected))
+        out.append(circuit.masked_sum(terms) if terms else None)
+    return out
+
+
+# -- loss -----------------------------------------------------------------------------------------
+def cross_entropy(
+    circuit: Circuit,
+    layout: SlotLayout,
+    probabilities: Tensor,
+    log_probabilities: Tensor,
+    labels: Tensor,
+    samples: int,
+) -> Work[tuple[Tensor, Tensor]]:
+    """Mean cross-entropy (slot 0 of a one-sample row) and the logit gradient ``(p - y)/n``."""
+    tensors = yield from circuit.ensure(
+        [_flat(probabilities), _flat(log_probabilities), _flat(labels)], 1, "loss"
+    )
+    classes = len(probabilities)
+    p, log_p, y = (_shape(t, classes) for t in tensors)
+    count = len(p[0])
+    per_sample = [
+        circuit.product_sum([(y[k][c], log_p[k][c]) for k in range(classes)]) for c in range(count)
+    ]
+    total = per_sample[0]
+    for ct in per_sample[1:]:
+        total = circuit.add(total, ct)
+    distance = 1
+    while distance < layout.capacity:
+        total = circuit.add(total, circuit.rotate(total, distance * layout.group))
+        distance *= 2
+    (total,) = yield from circuit.ensure([[total]], 1, "loss")
+    loss = circuit.scale_by(total[0], -1.0 / samples)
+    gradient = [
+        [
+            circuit.weighted_sum([(p[k][c], 1.0 / samples), (y[k][c], -1.0 / samples)])
+            for c in range(count)
+        ]
+        for k in range(classes)
+    ]
+    return [[loss]], gradient

@@ -1,0 +1,147 @@
+"""Slot layout of the CKKS backend: one ciphertext per feature, samples x tokens in the slots.
+
+A ciphertext has ``S = N/2`` slots. Sample ``s`` of a batch lives in ciphertext ``s // capacity``,
+*group* ``s % capacity``; a group is ``group`` consecutive slots starting at
+``(s % capacity) * group``. Inside a group, slot ``t`` holds token ``t`` (``t < tokens``) and,
+when ``duplicate`` is set, slot ``tokens + t`` holds token ``t`` again for ``t < tokens - 1``::
+
+    group = 2T - 1:  | t0 t1 ... t(T-1) | t0 t1 ... t(T-2) |
+
+With that copy, rotating a whole ciphertext left by ``d < T`` brings token ``(t + d) mod T`` of the
+*same* sample to slot ``t``: attention needs no masks for its token shifts. Every feature (model
+width ``D``) is its own ciphertext, so linear layers are sums of scalar x ciphertext products and
+need no rotation; only attention (token shifts), permutations of samples (shifts by multiples of
+``group``) and the loss's sum over samples rotate.
+
+``capacity`` is the largest power of two of groups that fits, so that a Benes network over the
+samples moves groups by power-of-two distances (one rotation key per distance and direction).
+Rows of shape ``(n, C)`` (labels, probabilities) use the same ``group`` with one token, so they
+share the hidden states' rotation keys. Cost per sample falls as the batch fills a ciphertext:
+``capacity`` samples share every operation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedfm.errors import ConfigError, ProtocolError
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each (sample, token) value of one feature sits in the slots of its ciphertexts."""
+
+    slots: int
+    tokens: int
+    group: int
+    duplicate: bool
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.group < self.tokens:
+            raise ConfigError(f"a group of {self.group} slots cannot hold {self.tokens} tokens")
+        if self.duplicate and self.group < 2 * self.tokens - 1:
+            raise ConfigError(f"duplicated tokens need a group of {2 * self.tokens - 1} slots")
+        if self.group > self.slots:
+            raise ConfigError(f"a group of {self.group} slots exceeds the {self.slots} slots")
+
+    @classmethod
+    def for_tokens(cls, slots: int, tokens: int) -> SlotLayout:
+        """The layout of hidden states (and images as patches) with ``tokens`` tokens."""
+        duplicate = tokens > 1
+        return cls(slots, tokens, 2 * tokens - 1 if duplicate else 1, duplicate)
+
+    def rows(self) -> SlotLayout:
+        """The layout of ``(n, C)`` rows that shares this layout's groups (one token each)."""
+        return SlotLayout(self.slots, 1, self.group, False)
+
+    @property
+    def capacity(self) -> int:
+        """Samples per ciphertext (a power of two)."""
+        return 1 << ((self.slots // self.group).bit_length() - 1)
+
+    def ciphertexts_for(self, samples: int) -> int:
+        return -(-samples // self.capacity)
+
+    def rotation_steps(self) -> list[int]:
+        """Rotation steps (positive: left) that evaluation uses: keys are made for these only.
+
+        Token shifts by powers of two below ``tokens`` (others compose), the right shift by
+        ``tokens`` that rebuilds the token copy, and left and right shifts by ``group * 2**j``
+        (``2**j < capacity``) for permutations of samples and sums over samples.
+        """
+        steps: set[int] = set()
+        shift = 1
+        while shift < self.tokens:
+            steps.add(shift)
+            shift *= 2
+        if self.duplicate:
+            steps.add(-self.tokens)
+        distance = 1
+        while distance < self.capacity:
+            steps.update((distance * self.group, -distance * self.group))
+            distance *= 2
+        return sorted(steps)
+
+    # -- values <-> slots ------------------------------------------------------------------------
+    def pack(self, values: np.ndarray) -> np.ndarray:
+        """``(n, tokens, F)`` values to ``(F, ciphertexts, slots)`` slot vectors."""
+        if values.ndim != 3 or values.shape[1] != self.tokens or values.shape[0] < 1:
+            raise ProtocolError(
+                f"cannot pack values of shape {values.shape} into {self.tokens}-token groups"
+            )
+        samples, _, features = values.shape
+        count = self.ciphertexts_for(samples)
+        out = np.zeros((features, count * self.capacity, self.group), dtype=np.float64)
+        per_feature = np.transpose(values, (2, 0, 1))  # (F, n, T)
+        out[:, :samples, : self.tokens] = per_feature
+        if self.duplicate:
+            out[:, :samples, self.tokens :] = per_feature[:, :, : self.tokens - 1]
+        out = out.reshape(features, count, self.capacity * self.group)
+        padded = np.zeros((features, count, self.slots), dtype=np.float64)
+        padded[:, :, : self.capacity * self.group] = out
+        return padded
+
+    def unpack(self, slots: np.ndarray, samples: int) -> np.ndarray:
+        """``(F, ciphertexts, slots)`` slot vectors to ``(samples, tokens, F)`` values."""
+        features, count, width = slots.shape
+        if width != self.slots or count != self.ciphertexts_for(samples):
+            raise ProtocolError(
+                f"{count} ciphertexts of {width} slots do not hold {samples} samples"
+            )
+        used = slots[:, :, : self.capacity * self.group].reshape(
+            features, count * self.capacity, self.group
+        )
+        return np.transpose(used[:, :samples, : self.tokens], (1, 2, 0)).copy()
+
+    # -- masks (plaintext slot vectors, one per ciphertext of a batch) ---------------------------
+    def group_mask(self, present: np.ndarray, width: int) -> np.ndarray:
+        """1 on the first ``width`` slots of every group whose entry in ``present`` is true.
+
+        ``present`` has one boolean per group of all the batch's ciphertexts; returns
+        ``(ciphertexts, slots)``.
+        """
+        count = -(-len(present) // self.capacity)
+        groups = np.zeros(count * self.capacity, dtype=bool)
+        groups[: len(present)] = present
+        mask = np.zeros((count, self.capacity, self.group))
+        mask[:, :, :width] = groups.reshape(count, self.capacity, 1)
+        out = np.zeros((count, self.slots))
+        out[:, : self.capacity * self.group] = mask.reshape(count, -1)
+        return out
+
+    def occupied(self, samples: int) -> np.ndarray:
+        """1 on every slot of the groups of the ``samples`` samples (token copies included)."""
+        count = self.ciphertexts_for(samples)
+        return self.group_mask(np.arange(count * self.capacity) < samples, self.group)
+
+    def valid(self, samples: int) -> np.ndarray:
+        """1 on the slots of real tokens (not their copies) of the ``samples`` samples."""
+        count = self.ciphertexts_for(samples)
+        return self.group_mask(np.arange(count * self.capacity) < samples, self.tokens)
+
+    def copied(self, samples: int) -> np.ndarray:
+        """1 on the tokens ``0 .. tokens - 2`` whose copy sits ``tokens`` slots further."""
+        count = self.ciphertexts_for(samples)
+        return self.group_mask(np.arange(count * self.capacity) < samples, self.tokens - 1)

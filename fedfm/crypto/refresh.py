@@ -1,0 +1,424 @@
+"""Client-assisted masked refresh of CKKS ciphertexts (a stand-in for bootstrapping).
+
+When a ciphertext of the client's runs out of levels, the server (:class:`RefreshServer`, public
+key only) masks it, the client (:class:`RefreshClient`, secret key) decrypts the masked value and
+encrypts it afresh at the top level, and the server removes the mask.
+
+Protocol
+--------
+The *refresh level* is the level with the two primes ``[q0, q1]`` left (SEAL chain index 1);
+``q_ref = q0 q1``. The server
+
+1. mod-switches a copy of the ciphertext down to the refresh level;
+2. adds a fresh public-key encryption of zero, so that ``c1`` no longer depends on the server's
+   computation (it becomes ``c1 + a u + e1``, pseudorandom under RLWE);
+3. adds ``r``, an integer polynomial with coefficients uniform in ``[-B, B]``, ``B = 2^mask_bits``
+   (default ``bits(q_ref) - 3``, so ``B <= q_ref / 4``), in the **coefficient domain**.
+
+The client decrypts ``x + r`` (``x = m + e``: message, computation error and the zero
+encryption's noise), lifts it exactly to an integer polynomial (centered CRT of its residues
+modulo ``q0`` and ``q1``; no wrap-around as long as ``|x| < q_ref / 2 - B``, i.e. always in
+practice: ``q_ref / 4`` is about ``2^95`` for the chains below), reduces that polynomial modulo
+every data prime of the top level and encrypts it there (symmetric encryption) with the scale it
+came with. The server subtracts ``r`` (encoded at the top level with that scale) and holds a fresh
+top-level encryption of ``m + e``: the refresh adds only the client's fresh encryption noise.
+
+Statistical hiding
+------------------
+Each coefficient the client sees is ``x_i + r_i`` with ``r_i`` uniform on ``2B + 1`` integers, so
+its distribution is within statistical distance ``|x_i| / (2B + 1)`` of ``r_i`` alone, whatever
+``x_i`` is. The coefficients of ``x`` are bounded by its canonical-embedding norm,
+``|x_i| <= scale * V`` where ``V`` bounds the magnitude of the decoded (noisy, complex) slot values,
+plus the zero encryption's noise (``< 64 N``). Hence, per coefficient,
+
+    delta = (scale * V + 64 N) / (2B + 1)        (:meth:`RefreshServer.statistical_distance_bound`)
+
+and for the whole polynomial of N independent coefficients at most ``N * delta``
+(:meth:`RefreshServer.ciphertext_distance_bound`; for uniform masks this union bound is tight).
+With ``q0`` of 58 and ``q1`` of 40 bits, ``B = 2^95``; ``V = 2^10`` at scale ``2^40`` gives
+``delta ~ 2^-46`` per coefficient and ``~ 2^-32`` for a whole ciphertext at N = 16384. A whole-
+ciphertext ``2^-40`` at that value bound needs ``bits(q_ref) >= 106`` (e.g. a 50-bit ``q1``).
+
+Randomness
+----------
+``r`` comes from ``os.urandom`` (through :func:`secrets.token_bytes`), about 0.5 MB per mask at
+N = 16384 (a millisecond). A seeded non-cryptographic generator such as PCG64 would be faster
+but is unsafe here: the client sees ``x + r`` with ``x`` tiny next to ``r``, i.e. nearly the raw
+generator output, from which PCG64's state (and with it every later mask) can be recovered.
+The ``rng`` argument (a NumPy ``Generator``) exists for reproducible tests only.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tenseal as ts
+import tenseal.sealapi as sealapi
+
+from fedfm.crypto.seal_raw import (
+    MixedRadix,
+    ParmsId,
+    SealIO,
+    addmod,
+    context_data,
+    crt_lift,
+    mulmod,
+    seal_bytes,
+    submod,
+)
+from fedfm.errors import CryptoParameterError, ProtocolError
+
+# The mask must hide a unit slot value at the context's scale to this many bits per coefficient.
+MIN_HIDING_BITS = 40
+# |noise| of SEAL's public-key encryption of zero at a lower level, per unit of N:
+# |e u| + |e1 s| <= 2 * 19 N (errors clipped at 6 sigma = 19.2, ternary u, s), plus rounding.
+FRESH_NOISE_PER_DEGREE = 64
+_WORD = 1 << 64
+_SCALE_TOLERANCE = 1e-12
+
+Ciphertext = Any  # sealapi.Ciphertext, or the same SEAL type as held by TenSEAL
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedCiphertext:
+    """What the client receives: a masked, re-randomised ciphertext at the refresh level."""
+
+    ciphertext: sealapi.Ciphertext
+
+    def to_bytes(self) -> bytes:
+        """Wire form (SEAL's zstd-compressed serialization)."""
+        return seal_serialize(self.ciphertext)
+
+    @classmethod
+    def from_bytes(cls, context: ts.Context, data: bytes) -> MaskedCiphertext:
+        return cls(seal_deserialize(context, data))
+
+
+@dataclass(frozen=True, eq=False)
+class RefreshMask:
+    """Kept by the server: the mask ``r`` and the scale the refreshed ciphertext must carry.
+
+    ``limbs`` holds ``r`` exactly as its residues modulo every data prime of the top level
+    (``uint64``, shape (k_top, N), read-only); since ``|r| <= B`` is far below half the top
+    modulus, the residues determine ``r``. Rows 0 and 1 are ``r`` modulo ``q0`` and ``q1``.
+    """
+
+    limbs: np.ndarray
+    scale: float
+    parms_id: ParmsId  # the top level, where the mask is removed
+
+
+def seal_serialize(ciphertext: Ciphertext) -> bytes:
+    """SEAL's (zstd-compressed) serialization of ``ciphertext``, for the wire."""
+    return seal_bytes(ciphertext)
+
+
+def seal_deserialize(context: ts.Context, data: bytes) -> sealapi.Ciphertext:
+    """The ciphertext ``data`` holds, validated by SEAL against ``context``."""
+    io = SealIO(context)
+    try:
+        return io.load_ciphertext(bytes(data))
+    finally:
+        io.close()
+
+
+class _Chain:
+    """The modulus chain of a CKKS context: top level, refresh level and their primes."""
+
+    def __init__(self, context: ts.Context) -> None:
+        self.seal_context = context.seal_context().data
+        top = self.seal_context.first_context_data()
+        if top.parms().scheme().name != "CKKS":  # TenSEAL and sealapi bind separate enums
+            raise CryptoParameterError("masked refresh needs a CKKS context")
+        self.top_parms_id: ParmsId = tuple(top.parms_id())
+        self.top_primes = [m.value() for m in top.parms().coeff_modulus()]
+        self.degree = top.parms().poly_modulus_degree()
+        if len(self.top_primes) < 3:
+            raise CryptoParameterError(
+                f"the modulus chain has {len(self.top_primes)} data prime(s) "
+                f"(bits {[p.bit_length() for p in self.top_primes]}): a refresh needs the refresh "
+                "level [q0, q1] strictly below the top level, i.e. at least three data primes"
+            )
+        level = top
+        while level.chain_index() > 1:
+            level = level.next_context_data()
+        self.refresh_parms_id: ParmsId = tuple(level.parms_id())
+        self.q0, self.q1 = (m.value() for m in level.parms().coeff_modulus())
+        # SEAL drops primes from the end, so the refresh primes lead the top level's; the mask's
+        # rows 0 and 1 rely on it.
+        if self.top_primes[:2] != [self.q0, self.q1]:
+            raise CryptoParameterError("the refresh level's primes do not lead the top level's")
+        self.refresh_modulus = self.q0 * self.q1
+
+    def level_of(self, ciphertext: Ciphertext) -> int:
+        """SEAL chain index of ``ciphertext`` (top = primes - 1, refresh = 1, ``[q0]`` = 0)."""
+        return context_data(self.seal_context, ciphertext.parms_id()).chain_index()
+
+    def describe(self, level: int) -> str:
+        primes = level + 1
+        return f"level {level} ({primes} prime{'s' if primes > 1 else ''} left)"
+
+    def check_shape(self, ciphertext: Ciphertext, what: str) -> None:
+        if ciphertext.size() != 2 or not ciphertext.is_ntt_form():
+            raise ProtocolError(
+                f"{what} must be a relinearised (size 2) NTT-form CKKS ciphertext, got size "
+                f"{ciphertext.size()}{'' if ciphertext.is_ntt_form() else ' not in NTT form'}"
+            )
+
+
+def sample_uniform_mask(
+    degree: int, mask_bits: int, primes: Sequence[int], random_bytes: Callable[[int], bytes]
+) -> np.ndarray:
+    """Residues modulo each of ``primes`` (shape (len(primes), degree)) of a polynomial ``r``
+    with coefficients uniform in ``[-B, B]``, ``B = 2^mask_bits``, from ``random_bytes``.
+
+    ``u = r + B`` is uniform on the ``2B + 1 = 2^(b+1) + 1`` integers ``[0, 2^(b+1)]``:
+    rejection sampling of ``b + 2``-bit words (two ``uint64`` limbs ``hi, lo``), keeping those
+    whose top bit is clear or that equal ``2^(b+1)`` (acceptance just over 1/2). Exact: no
+    modular bias, every candidate is used or discarded whole.
+    """
+    if not 1 <= mask_bits <= 126:
+        raise CryptoParameterError(f"mask_bits must be in [1, 126], got {mask_bits}")
+    width = mask_bits + 2
+    his, los, have = [], [], 0
+    while have < degree:
+        count = 2 * (degree - have) + 64
+        words = np.frombuffer(random_bytes(16 * count), dtype="<u8").astype(np.uint64)
+        hi, lo = words[:count], words[count:]
+        if width <= 64:
+            hi = np.zeros_like(lo)
+            lo = lo >> np.uint64(64 - width)
+            top = lo >> np.uint64(width - 1)
+            rest_zero = (lo & np.uint64((1 << (width - 1)) - 1)) == 0
+        else:
+            hi = hi >> np.uint64(128 - width)
+            top = hi >> np.uint64(width - 65)
+            rest_zero = ((hi & np.uint64((1 << (width - 65)) - 1)) == 0) & (lo == 0)
+        keep = (top == 0) | rest_zero
+        his.append(hi[keep])
+        los.append(lo[keep])
+        have += int(keep.sum())
+    hi = np.concatenate(his)[:degree]
+    lo = np.concatenate(los)[:degree]
+    limbs = []
+    for p in primes:
+        u = addmod(mulmod(hi % np.uint64(p), _WORD % p, p), lo % np.uint64(p), p)
+        limbs.append(submod(u, np.full_like(u, (1 << mask_bits) % p), p))
+    return np.stack(limbs)
+
+
+class RefreshServer:
+    """The evaluating party's side: masks ciphertexts and unmasks refreshed ones.
+
+    Parameters
+    ----------
+    context : ts.Context
+        The client's *public* context (public key, no secret key).
+    mask_bits : int, optional
+        ``log2 B``; default and maximum ``bits(q0 q1) - 3`` (so ``B <= q0 q1 / 4``).
+    rng : numpy.random.Generator, optional
+        Deterministic mask source for tests only (not secure); default ``os.urandom``.
+
+    Not thread-safe (one scratch file per instance).
+    """
+
+    def __init__(
+        self,
+        context: ts.Context,
+        *,
+        mask_bits: int | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        if context.is_private():
+            raise CryptoParameterError(
+                "refusing a context that carries the secret key: the server needs the public one"
+            )
+        if not context.has_public_key():
+            raise CryptoParameterError("the server's context lacks the public key")
+        self._chain = _Chain(context)
+        largest = self._chain.refresh_modulus.bit_length() - 3
+        bits = largest if mask_bits is None else mask_bits
+        if not 1 <= bits <= largest:
+            raise CryptoParameterError(
+                f"mask_bits={bits} does not fit the refresh modulus q0*q1 of "
+                f"{self._chain.refresh_modulus.bit_length()} bits (1 <= mask_bits <= {largest})"
+            )
+        self._mask_bits = bits
+        try:
+            scale = context.global_scale
+        except ValueError:  # TenSEAL: "no global scale"; nothing to check the mask against
+            scale = None
+        unit = None if scale is None else self.statistical_distance_bound(1.0, scale)
+        if unit is not None and unit > 2.0**-MIN_HIDING_BITS:
+            raise CryptoParameterError(
+                f"no room for the mask: the refresh level q0*q1 has "
+                f"{self._chain.refresh_modulus.bit_length()} bits, so B = 2^{bits} hides a unit "
+                f"value at scale 2^{math.log2(scale):.0f} only to 2^{math.log2(unit):.1f} per "
+                f"coefficient (need 2^-{MIN_HIDING_BITS}); use larger q0 and q1"
+            )
+        self._random_bytes: Callable[[int], bytes] = (
+            secrets.token_bytes if rng is None else rng.bytes
+        )
+        seal_context = self._chain.seal_context
+        self._evaluator = sealapi.Evaluator(seal_context)
+        self._encryptor = sealapi.Encryptor(seal_context, context.public_key().data)
+        self._io = SealIO(seal_context)
+
+    @property
+    def refresh_parms_id(self) -> ParmsId:
+        return self._chain.refresh_parms_id
+
+    @property
+    def top_parms_id(self) -> ParmsId:
+        return self._chain.top_parms_id
+
+    @property
+    def mask_bits(self) -> int:
+        """``log2 B``: mask coefficients are uniform in ``[-B, B]``."""
+        return self._mask_bits
+
+    def statistical_distance_bound(self, value_bound: float, scale: float) -> float:
+        """Per-coefficient statistical distance of the client's view from the mask alone.
+
+        ``(scale * value_bound + 64 N) / (2B + 1)``, where ``value_bound`` bounds the magnitude
+        of every decoded (noisy) slot value of the ciphertext being refreshed.
+        """
+        hidden = scale * value_bound + FRESH_NOISE_PER_DEGREE * self._chain.degree
+        return min(1.0, hidden / (2.0 ** (self._mask_bits + 1) + 1))
+
+    def ciphertext_distance_bound(self, value_bound: float, scale: float) -> float:
+        """Statistical distance for the whole polynomial (N coefficients): ``N`` times the above."""
+        return min(1.0, self._chain.degree * self.statistical_distance_bound(value_bound, scale))
+
+    def mask(self, ciphertext: Ciphertext) -> tuple[MaskedCiphertext, RefreshMask]:
+        """Mask ``ciphertext`` for the client; keep the returned mask to :meth:`unmask` later."""
+        chain = self._chain
+        chain.check_shape(ciphertext, "a ciphertext to refresh")
+        level = chain.level_of(ciphertext)
+        if level < 1:
+            raise ProtocolError(
+                f"ciphertext at {chain.describe(level)} is below the refresh level "
+                f"({chain.describe(1)}): it has no room for the mask; refresh before it gets there"
+            )
+        masked = sealapi.Ciphertext(chain.seal_context)
+        self._evaluator.mod_switch_to(ciphertext, list(chain.refresh_parms_id), masked)
+        zero = sealapi.Ciphertext(chain.seal_context)
+        self._encryptor.encrypt_zero(list(chain.refresh_parms_id), zero)
+        zero.scale = masked.scale  # an encryption of zero has scale 1; SEAL checks they match
+        self._evaluator.add_inplace(masked, zero)
+        limbs = sample_uniform_mask(
+            chain.degree, self._mask_bits, chain.top_primes, self._random_bytes
+        )
+        self._io.add_coefficients_inplace(masked, limbs[:2])
+        limbs.setflags(write=False)
+        return MaskedCiphertext(masked), RefreshMask(limbs, masked.scale, chain.top_parms_id)
+
+    def unmask(self, fresh: Ciphertext, mask: RefreshMask) -> sealapi.Ciphertext:
+        """Subtract ``mask`` from the client's fresh top-level ciphertext (a new ciphertext)."""
+        chain = self._chain
+        chain.check_shape(fresh, "a refreshed ciphertext")
+        if tuple(fresh.parms_id()) != mask.parms_id or mask.parms_id != chain.top_parms_id:
+            raise ProtocolError(
+                f"refreshed ciphertext is at {chain.describe(chain.level_of(fresh))}, expected "
+                f"the top level ({chain.describe(len(chain.top_primes) - 1)})"
+            )
+        if not math.isclose(fresh.scale, mask.scale, rel_tol=_SCALE_TOLERANCE):
+            raise ProtocolError(
+                f"refreshed ciphertext has scale 2^{math.log2(fresh.scale):.6f}, but the mask was "
+                f"applied at scale 2^{math.log2(mask.scale):.6f}"
+            )
+        negated = np.stack(
+            [
+                submod(np.zeros_like(row), row, p)
+                for row, p in zip(mask.limbs, chain.top_primes, strict=True)
+            ]
+        )
+        result = sealapi.Ciphertext(chain.seal_context)
+        self._evaluator.mod_switch_to(fresh, list(chain.top_parms_id), result)  # a copy
+        self._io.add_coefficients_inplace(result, negated)
+        return result
+
+
+class RefreshClient:
+    """The key owner's side: decrypts masked ciphertexts and re-encrypts them at the top level.
+
+    Not thread-safe (one scratch file per instance).
+    """
+
+    def __init__(self, context: ts.Context) -> None:
+        if not context.is_private():
+            raise CryptoParameterError("the refresh client needs the context with the secret key")
+        self._chain = _Chain(context)
+        seal_context = self._chain.seal_context
+        secret_key = context.secret_key().data
+        self._decryptor = sealapi.Decryptor(seal_context, secret_key)
+        self._encryptor = sealapi.Encryptor(seal_context, secret_key)
+        self._io = SealIO(seal_context)
+
+    @property
+    def refresh_parms_id(self) -> ParmsId:
+        return self._chain.refresh_parms_id
+
+    @property
+    def top_parms_id(self) -> ParmsId:
+        return self._chain.top_parms_id
+
+    def _unwrap(self, masked: MaskedCiphertext | Ciphertext) -> Ciphertext:
+        ciphertext = masked.ciphertext if isinstance(masked, MaskedCiphertext) else masked
+        chain = self._chain
+        chain.check_shape(ciphertext, "a masked ciphertext")
+        level = chain.level_of(ciphertext)
+        if level != 1:
+            raise ProtocolError(
+                f"refusing to refresh a ciphertext at {chain.describe(level)}: only ciphertexts "
+                f"at the refresh level ({chain.describe(1)}) are masked"
+            )
+        return ciphertext
+
+    def _lift(self, ciphertexts: Sequence[Ciphertext]) -> MixedRadix:
+        """Exact centered integer coefficients of the decryptions, batched: (m, N) each."""
+        raws = []
+        for ciphertext in ciphertexts:
+            plain = sealapi.Plaintext()
+            self._decryptor.decrypt(ciphertext, plain)
+            raws.append(self._io.read_plaintext(plain).data)
+        coeffs = self._io.from_ntt(self._chain.refresh_parms_id, np.stack(raws))
+        return crt_lift(coeffs[:, 0], coeffs[:, 1], self._chain.q0, self._chain.q1)
+
+    def observe(self, masked: MaskedCiphertext | Ciphertext) -> np.ndarray:
+        """The centered integer coefficients the client decrypts (object array of ``int``)."""
+        return self._lift([self._unwrap(masked)]).to_int()[0]
+
+    def refresh(self, masked: MaskedCiphertext | Ciphertext) -> sealapi.Ciphertext:
+        """A fresh top-level encryption, at the same scale, of the masked ciphertext's value."""
+        return self.refresh_many([masked])[0]
+
+    def refresh_many(
+        self, masked: Sequence[MaskedCiphertext | Ciphertext]
+    ) -> list[sealapi.Ciphertext]:
+        """:meth:`refresh` for several ciphertexts, with batched NTTs through SEAL."""
+        ciphertexts = [self._unwrap(item) for item in masked]
+        if not ciphertexts:
+            return []
+        chain = self._chain
+        residues = self._lift(ciphertexts).residues(chain.top_primes)  # (k_top, m, N)
+        fresh = []
+        for index, source in enumerate(ciphertexts):
+            # Symmetric encryption of zero plus the lifted polynomial: encrypt_symmetric's
+            # own steps, with the polynomial entering in coefficient form.
+            out = sealapi.Ciphertext(chain.seal_context)
+            self._encryptor.encrypt_zero_symmetric(list(chain.top_parms_id), out)
+            out.scale = source.scale
+            self._io.add_coefficients_inplace(out, residues[:, index])
+            fresh.append(out)
+        return fresh
+
+
+def observe_masked(client: RefreshClient, masked: MaskedCiphertext | Ciphertext) -> np.ndarray:
+    """Test hook: the centered integer coefficients ``client`` sees when refreshing ``masked``."""
+    return client.observe(masked)

@@ -1,0 +1,463 @@
+"""Bulk access to the coefficients of SEAL ciphertexts and plaintexts, and RNS arithmetic.
+
+SEAL's Python bindings (``tenseal.sealapi``) expose no bulk coefficient access: objects only
+``save`` to and ``load`` from files. This module parses and builds those files.
+
+Layout (SEAL 4.x as built into TenSEAL 0.3.18, checked by ``tests/test_refresh.py``)
+---------------------------------------------------------------------------------------
+Every saved object is a 16-byte header (``uint16`` magic ``0xA15E``, ``uint8`` header size 16,
+``uint8`` version major, ``uint8`` version minor, ``uint8`` compression mode 0 none / 1 zlib /
+2 zstd, ``uint16`` reserved, ``uint64`` total size including the header) and a body, compressed
+according to the mode. All integers are little-endian.
+
+* Ciphertext body: ``parms_id`` (4 x ``uint64``), ``is_ntt_form`` (``uint8``), ``size``,
+  ``poly_modulus_degree`` N, ``coeff_modulus_size`` k (``uint64`` each), ``scale`` (``float64``),
+  ``correction_factor`` (``uint64``), then a nested ``DynArray``: its own 16-byte header
+  (uncompressed), a ``uint64`` count and ``count`` ``uint64`` words laid out
+  ``[polynomial][prime][coefficient]``.
+* Plaintext body: ``parms_id``, ``coeff_count`` (``uint64``), ``scale`` (``float64``), nested
+  ``DynArray`` (for CKKS: k x N words in NTT form).
+
+Objects are written back uncompressed. ``load`` makes SEAL validate them (every word reduced
+modulo its prime, sizes consistent with the parameters), so a malformed write fails loudly.
+
+Going between NTT and coefficient form uses SEAL's own transforms on a scratch ciphertext that
+carries the polynomials. SEAL (built with ``SEAL_THROW_ON_TRANSPARENT_CIPHERTEXT``) refuses a
+ciphertext whose polynomials after the first are all zero, so the scratch ciphertext always ends
+with a nonzero guard polynomial.
+
+Modular arithmetic works on ``uint64`` arrays for primes below 2^60 without overflow.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import struct
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tenseal as ts
+import tenseal.sealapi as sealapi
+import zstandard
+
+from fedfm.errors import CryptoParameterError, ProtocolError
+
+SEAL_MAGIC = 0xA15E
+HEADER = struct.Struct("<HBBBBHQ")
+COMPR_NONE, COMPR_ZLIB, COMPR_ZSTD = 0, 1, 2
+# SEAL's SEAL_CIPHERTEXT_SIZE_MAX: polynomials one ciphertext can carry.
+CIPHERTEXT_SIZE_MAX = 16
+MAX_PRIME_BITS = 60
+
+_CT_META = struct.Struct("<4QBQQQdQ")  # parms_id, is_ntt, size, N, k, scale, correction
+_PT_META = struct.Struct("<4QQd")  # parms_id, coeff_count, scale
+_COUNT = struct.Struct("<Q")
+
+ParmsId = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class RawCiphertext:
+    """A ciphertext's fields; ``data`` is ``uint64`` of shape (size, k, N)."""
+
+    parms_id: ParmsId
+    is_ntt_form: bool
+    scale: float
+    data: np.ndarray
+    correction_factor: int = 1
+
+
+@dataclass(frozen=True, eq=False)
+class RawPlaintext:
+    """A CKKS plaintext's fields; ``data`` is ``uint64`` of shape (k, N), in NTT form."""
+
+    parms_id: ParmsId
+    scale: float
+    data: np.ndarray
+
+
+def seal_context_of(context: Any) -> Any:
+    """The SEAL context behind a TenSEAL context (or the SEAL context itself)."""
+    if isinstance(context, ts.Context):
+        return context.seal_context().data
+    return context
+
+
+def context_data(seal_context: Any, parms_id: ParmsId | list[int]) -> Any:
+    """SEAL's ``ContextData`` for ``parms_id``; :class:`ProtocolError` if not in the chain."""
+    data = seal_context.get_context_data(list(parms_id))
+    if data is None:
+        raise ProtocolError(f"parms_id {list(parms_id)} is not in this context's modulus chain")
+    return data
+
+
+def primes_of(seal_context: Any, parms_id: ParmsId | list[int]) -> list[int]:
+    """The data primes of level ``parms_id``, lowest first."""
+    return [m.value() for m in context_data(seal_context, parms_id).parms().coeff_modulus()]
+
+
+# --- serialization -------------------------------------------------------------------------
+
+
+@functools.cache
+def _seal_version() -> tuple[int, int]:
+    """The (major, minor) version SEAL stamps on what it saves; ``load`` insists on it."""
+    with tempfile.TemporaryDirectory(dir=_scratch_root()) as folder:
+        path = Path(folder) / "object"
+        sealapi.Plaintext().save(str(path))
+        _, _, major, minor, *_ = HEADER.unpack_from(path.read_bytes())
+    return major, minor
+
+
+def _header(compr_mode: int, total: int) -> bytes:
+    return HEADER.pack(SEAL_MAGIC, HEADER.size, *_seal_version(), compr_mode, 0, total)
+
+
+def _body(blob: bytes) -> bytes:
+    """The uncompressed body of a saved SEAL object."""
+    if len(blob) < HEADER.size:
+        raise ProtocolError(f"SEAL object of {len(blob)} bytes is shorter than its header")
+    magic, header_size, _, _, mode, _, total = HEADER.unpack_from(blob)
+    if magic != SEAL_MAGIC or header_size != HEADER.size or total != len(blob):
+        raise ProtocolError("not a SEAL object (bad magic, header size or total size)")
+    body = blob[HEADER.size :]
+    if mode == COMPR_NONE:
+        return body
+    if mode == COMPR_ZSTD:
+        # Streaming decompression: SEAL's frames do not record their decompressed size.
+        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    if mode == COMPR_ZLIB:
+        import zlib
+
+        return zlib.decompress(body)
+    raise ProtocolError(f"SEAL object has unknown compression mode {mode}")
+
+
+def _dyn_array(body: bytes, offset: int, count: int) -> np.ndarray:
+    """The ``count`` words of the nested ``DynArray`` at ``offset`` (checked)."""
+    magic, header_size, _, _, mode, _, total = HEADER.unpack_from(body, offset)
+    if magic != SEAL_MAGIC or header_size != HEADER.size or mode != COMPR_NONE:
+        raise ProtocolError("SEAL object's nested coefficient array has an unexpected header")
+    (found,) = _COUNT.unpack_from(body, offset + HEADER.size)
+    start = offset + HEADER.size + _COUNT.size
+    if found != count or total != HEADER.size + _COUNT.size + 8 * count:
+        raise ProtocolError(f"SEAL coefficient array holds {found} words, expected {count}")
+    if len(body) < start + 8 * count:
+        raise ProtocolError("SEAL object is truncated")
+    return np.frombuffer(body, dtype="<u8", count=count, offset=start).astype(np.uint64)
+
+
+def _dyn_array_bytes(data: np.ndarray) -> bytes:
+    words = np.ascontiguousarray(data, dtype="<u8").tobytes()
+    total = HEADER.size + _COUNT.size + len(words)
+    return _header(COMPR_NONE, total) + _COUNT.pack(data.size) + words
+
+
+def parse_ciphertext(blob: bytes) -> RawCiphertext:
+    """A :class:`RawCiphertext` from the bytes ``Ciphertext.save`` writes."""
+    body = _body(blob)
+    *parms_id, is_ntt, size, degree, k, scale, correction = _CT_META.unpack_from(body)
+    data = _dyn_array(body, _CT_META.size, size * k * degree).reshape(size, k, degree)
+    return RawCiphertext(tuple(parms_id), bool(is_ntt), scale, data, correction)
+
+
+def ciphertext_bytes(raw: RawCiphertext) -> bytes:
+    """Uncompressed SEAL bytes of ``raw`` (what ``Ciphertext.load`` reads)."""
+    data = np.asarray(raw.data)
+    if data.ndim != 3:
+        raise ProtocolError(f"ciphertext data must be (size, k, N), got shape {data.shape}")
+    size, k, degree = data.shape
+    meta = _CT_META.pack(
+        *raw.parms_id, int(raw.is_ntt_form), size, degree, k, raw.scale, raw.correction_factor
+    )
+    body = meta + _dyn_array_bytes(data)
+    return _header(COMPR_NONE, HEADER.size + len(body)) + body
+
+
+def parse_plaintext(blob: bytes, degree: int | None = None) -> RawPlaintext:
+    """A :class:`RawPlaintext` from the bytes a CKKS ``Plaintext.save`` writes.
+
+    A plaintext does not record N: with ``degree`` the data is shaped (k, N), else it is flat.
+    """
+    body = _body(blob)
+    *parms_id, coeff_count, scale = _PT_META.unpack_from(body)
+    data = _dyn_array(body, _PT_META.size, coeff_count)
+    if degree is not None:
+        if coeff_count % degree:
+            raise ProtocolError(f"plaintext of {coeff_count} words is not k x N for N={degree}")
+        data = data.reshape(-1, degree)
+    return RawPlaintext(tuple(parms_id), scale, data)
+
+
+def plaintext_bytes(raw: RawPlaintext) -> bytes:
+    """Uncompressed SEAL bytes of ``raw``; ``data`` is (k, N) or flat."""
+    data = np.asarray(raw.data)
+    body = _PT_META.pack(*raw.parms_id, data.size, raw.scale) + _dyn_array_bytes(data)
+    return _header(COMPR_NONE, HEADER.size + len(body)) + body
+
+
+# --- file exchange with SEAL ---------------------------------------------------------------
+
+
+def _scratch_root() -> str | None:
+    """RAM-backed ``/dev/shm`` when present: the files only shuttle bytes in and out of SEAL."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+class SealIO:
+    """Reads and writes SEAL objects of one context through a private scratch file.
+
+    One instance reuses one file, so it is not safe to share between threads.
+    """
+
+    def __init__(self, context: Any) -> None:
+        self.seal_context = seal_context_of(context)
+        self._folder = tempfile.mkdtemp(prefix="fedfm-seal-", dir=_scratch_root())
+        self._path = str(Path(self._folder) / "object")
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self._folder, True)
+        self._evaluator = sealapi.Evaluator(self.seal_context)
+        self._guards: dict[ParmsId, sealapi.Ciphertext] = {}
+
+    def close(self) -> None:
+        """Remove the scratch folder (also done when the object is collected)."""
+        self._finalizer()
+
+    def save(self, item: Any) -> bytes:
+        """SEAL's serialization of ``item`` (zstd-compressed by SEAL)."""
+        item.save(self._path)
+        return Path(self._path).read_bytes()
+
+    def load_ciphertext(self, blob: bytes) -> sealapi.Ciphertext:
+        Path(self._path).write_bytes(blob)
+        ciphertext = sealapi.Ciphertext(self.seal_context)
+        try:
+            ciphertext.load(self.seal_context, self._path)
+        except Exception as error:  # SEAL raises ValueError/RuntimeError for bad data
+            raise ProtocolError(f"SEAL refused the ciphertext: {error}") from None
+        return ciphertext
+
+    def load_plaintext(self, blob: bytes) -> sealapi.Plaintext:
+        Path(self._path).write_bytes(blob)
+        plaintext = sealapi.Plaintext()
+        try:
+            plaintext.load(self.seal_context, self._path)
+        except Exception as error:  # SEAL raises ValueError/RuntimeError for bad data
+            raise ProtocolError(f"SEAL refused the plaintext: {error}") from None
+        return plaintext
+
+    def read_ciphertext(self, ciphertext: Any) -> RawCiphertext:
+        return parse_ciphertext(self.save(ciphertext))
+
+    def write_ciphertext(self, raw: RawCiphertext) -> sealapi.Ciphertext:
+        return self.load_ciphertext(ciphertext_bytes(raw))
+
+    def read_plaintext(self, plaintext: Any) -> RawPlaintext:
+        raw = parse_plaintext(self.save(plaintext))
+        degree = context_data(self.seal_context, raw.parms_id).parms().poly_modulus_degree()
+        if raw.data.size % degree:
+            raise ProtocolError(f"plaintext of {raw.data.size} words is not k x N for N={degree}")
+        return RawPlaintext(raw.parms_id, raw.scale, raw.data.reshape(-1, degree))
+
+    def write_plaintext(self, raw: RawPlaintext) -> sealapi.Plaintext:
+        return self.load_plaintext(plaintext_bytes(raw))
+
+    def _transform(self, parms_id: ParmsId, polys: np.ndarray, *, to_ntt: bool) -> np.ndarray:
+        """``polys`` (m, k, N) through SEAL's NTT (forward or inverse) at level ``parms_id``."""
+        polys = np.asarray(polys, dtype=np.uint64)
+        if polys.ndim != 3:
+            raise ProtocolError(f"polynomials must be (m, k, N), got shape {polys.shape}")
+        count, k, degree = polys.shape
+        # The guard (all ones) keeps the scratch ciphertext from being "transparent".
+        guard = np.ones((1, k, degree), dtype=np.uint64)
+        out = np.empty_like(polys)
+        chunk = CIPHERTEXT_SIZE_MAX - 1
+        for start in range(0, count, chunk):
+            block = np.concatenate([polys[start : start + chunk], guard])
+            scratch = self.write_ciphertext(RawCiphertext(parms_id, not to_ntt, 1.0, block))
+            if to_ntt:
+                self._evaluator.transform_to_ntt_inplace(scratch)
+            else:
+                self._evaluator.transform_from_ntt_inplace(scratch)
+            out[start : start + chunk] = self.read_ciphertext(scratch).data[:-1]
+        return out
+
+    def _guard_ciphertext(self, parms_id: ParmsId) -> sealapi.Ciphertext:
+        """``(0, NTT(guard))`` at ``parms_id``: cancels the guard :meth:`add_coefficients_inplace`
+        adds to ``c1`` (cached per level; its scale is overwritten on each use)."""
+        cached = self._guards.get(parms_id)
+        if cached is None:
+            k = len(primes_of(self.seal_context, parms_id))
+            degree = context_data(self.seal_context, parms_id).parms().poly_modulus_degree()
+            block = np.zeros((2, k, degree), dtype=np.uint64)
+            block[1] = 1
+            cached = self.write_ciphertext(RawCiphertext(parms_id, False, 1.0, block))
+            self._evaluator.transform_to_ntt_inplace(cached)
+            self._guards[parms_id] = cached
+        return cached
+
+    def add_coefficients_inplace(self, ciphertext: Any, poly: np.ndarray) -> None:
+        """``c0 += poly`` for residues ``poly`` (k, N) of a coefficient-form polynomial.
+
+        SEAL does the NTT and the additions, and nothing large is read back: the polynomial goes
+        in as ``(poly, guard)`` (the guard keeps it from being transparent), which is added and
+        then ``(0, guard)`` subtracted. The ciphertext must be in NTT form.
+        """
+        parms_id: ParmsId = tuple(ciphertext.parms_id())
+        poly = np.asarray(poly, dtype=np.uint64)
+        block = np.empty((2, *poly.shape), dtype=np.uint64)
+        block[0] = poly
+        block[1] = 1
+        scratch = self.write_ciphertext(RawCiphertext(parms_id, False, ciphertext.scale, block))
+        self._evaluator.transform_to_ntt_inplace(scratch)
+        self._evaluator.add_inplace(ciphertext, scratch)
+        guard = self._guard_ciphertext(parms_id)
+        guard.scale = ciphertext.scale  # SEAL insists on equal scales
+        self._evaluator.sub_inplace(ciphertext, guard)
+
+    def to_ntt(self, parms_id: ParmsId, polys: np.ndarray) -> np.ndarray:
+        """NTT form of the coefficient-form polynomials ``polys`` (m, k, N) at ``parms_id``."""
+        return self._transform(parms_id, polys, to_ntt=True)
+
+    def from_ntt(self, parms_id: ParmsId, polys: np.ndarray) -> np.ndarray:
+        """Coefficient form of the NTT-form polynomials ``polys`` (m, k, N) at ``parms_id``."""
+        return self._transform(parms_id, polys, to_ntt=False)
+
+
+def seal_bytes(item: Any) -> bytes:
+    """What ``item.save`` writes (SEAL's bindings only write to files)."""
+    with tempfile.TemporaryDirectory(dir=_scratch_root()) as folder:
+        path = str(Path(folder) / "object")
+        item.save(path)
+        return Path(path).read_bytes()
+
+
+def read_ciphertext(ciphertext: Any) -> RawCiphertext:
+    """The fields and coefficients of a SEAL (or TenSEAL-held) ciphertext."""
+    return parse_ciphertext(seal_bytes(ciphertext))
+
+
+def write_ciphertext(context: Any, raw: RawCiphertext) -> sealapi.Ciphertext:
+    """A SEAL ciphertext of ``context`` holding ``raw`` (validated by SEAL)."""
+    io = SealIO(context)
+    try:
+        return io.write_ciphertext(raw)
+    finally:
+        io.close()
+
+
+def read_plaintext(context: Any, plaintext: Any) -> RawPlaintext:
+    """The fields and coefficients (k, N) of a SEAL CKKS plaintext of ``context``."""
+    io = SealIO(context)
+    try:
+        return io.read_plaintext(plaintext)
+    finally:
+        io.close()
+
+
+def write_plaintext(context: Any, raw: RawPlaintext) -> sealapi.Plaintext:
+    """A SEAL CKKS plaintext of ``context`` holding ``raw`` (validated by SEAL)."""
+    io = SealIO(context)
+    try:
+        return io.write_plaintext(raw)
+    finally:
+        io.close()
+
+
+# --- modular arithmetic on uint64 arrays ---------------------------------------------------
+
+
+def _check_prime(p: int) -> None:
+    if not 1 < p < 1 << MAX_PRIME_BITS:
+        raise CryptoParameterError(f"modulus {p} is outside (1, 2^{MAX_PRIME_BITS})")
+
+
+def mulmod(a: np.ndarray, b: int, p: int) -> np.ndarray:
+    """``a * b mod p`` elementwise for ``a`` reduced modulo ``p < 2^60`` and an integer ``b``.
+
+    Horner's rule over ``c``-bit chunks of ``b`` with ``c = 63 - bits(p)`` (3 for a 60-bit
+    prime, 23 for a 40-bit one): with ``acc, a < p < 2^bits(p)`` each step computes
+    ``2^c acc + chunk a < 2^(c+1) p <= 2^64``, so ``uint64`` never overflows.
+    """
+    _check_prime(p)
+    a = np.asarray(a, dtype=np.uint64)
+    b %= p
+    width = 63 - p.bit_length()
+    acc = np.zeros_like(a)
+    for shift in range(width * (-(-b.bit_length() // width) - 1), -1, -width):
+        acc <<= np.uint64(width)
+        acc += a * np.uint64((b >> shift) & ((1 << width) - 1))
+        acc %= np.uint64(p)
+    return acc
+
+
+def addmod(a: np.ndarray, b: np.ndarray, p: int) -> np.ndarray:
+    """``a + b mod p`` for ``a, b`` reduced modulo ``p < 2^60``."""
+    return (np.asarray(a, dtype=np.uint64) + np.asarray(b, dtype=np.uint64)) % np.uint64(p)
+
+
+def submod(a: np.ndarray, b: np.ndarray, p: int) -> np.ndarray:
+    """``a - b mod p`` for ``a, b`` reduced modulo ``p < 2^60``."""
+    shifted = np.asarray(a, dtype=np.uint64) + np.uint64(p)
+    return (shifted - np.asarray(b, dtype=np.uint64)) % np.uint64(p)
+
+
+@dataclass(frozen=True, eq=False)
+class MixedRadix:
+    """Integers ``x = a0 + q0 * v - negative * q0 * q1`` with ``0 <= a0 < q0``, ``0 <= v < q1``.
+
+    The exact centered lift of residues modulo ``q0 * q1``: ``negative`` marks the entries
+    whose representative in ``[0, q0 q1)`` exceeds ``(q0 q1) / 2``.
+    """
+
+    a0: np.ndarray
+    v: np.ndarray
+    negative: np.ndarray
+    q0: int
+    q1: int
+
+    def residues(self, primes: list[int]) -> np.ndarray:
+        """``x mod p`` for each prime (stacked on a new first axis), vectorised."""
+        out = []
+        product = self.q0 * self.q1
+        for p in primes:
+            _check_prime(p)
+            value = addmod(self.a0 % np.uint64(p), mulmod(self.v % np.uint64(p), self.q0, p), p)
+            wrap = np.full_like(value, product % p)
+            out.append(np.where(self.negative, submod(value, wrap, p), value))
+        return np.stack(out)
+
+    def to_int(self) -> np.ndarray:
+        """Exact integers as a NumPy object array of Python ``int`` (for inspection)."""
+        a0 = self.a0.astype(object)
+        v = self.v.astype(object)
+        negative = self.negative.astype(object)
+        return a0 + self.q0 * v - negative * (self.q0 * self.q1)
+
+    def to_float(self) -> np.ndarray:
+        """The integers as ``float64`` (rounded)."""
+        value = self.a0.astype(np.float64) + float(self.q0) * self.v.astype(np.float64)
+        return value - self.negative * (float(self.q0) * float(self.q1))
+
+
+def crt_lift(r0: np.ndarray, r1: np.ndarray, q0: int, q1: int) -> MixedRadix:
+    """Centered integers ``x`` with ``x = r0 mod q0``, ``x = r1 mod q1``, ``|x| <= q0 q1 / 2``.
+
+    Garner: ``v = (r1 - r0) * q0^-1 mod q1`` and ``x = r0 + q0 v``; ``x > q0 q1 // 2`` exactly
+    when ``v > t`` or ``v == t and r0 > u``, where ``q0 q1 // 2 = t q0 + u``.
+    """
+    _check_prime(q0)
+    _check_prime(q1)
+    r0 = np.asarray(r0, dtype=np.uint64)
+    r1 = np.asarray(r1, dtype=np.uint64)
+    difference = submod(r1, r0 % np.uint64(q1), q1)
+    v = mulmod(difference, pow(q0, -1, q1), q1)
+    t, u = divmod(q0 * q1 // 2, q0)
+    negative = (v > np.uint64(t)) | ((v == np.uint64(t)) & (r0 > np.uint64(u)))
+    return MixedRadix(r0, v, negative, q0, q1)

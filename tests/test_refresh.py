@@ -1,0 +1,356 @@
+"""Masked client-assisted refresh of CKKS ciphertexts, and the raw SEAL access beneath it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import tenseal as ts
+import tenseal.sealapi as sealapi
+from scipy import stats
+
+from fedfm.crypto.refresh import (
+    MaskedCiphertext,
+    RefreshClient,
+    RefreshServer,
+    observe_masked,
+    sample_uniform_mask,
+    seal_deserialize,
+    seal_serialize,
+)
+from fedfm.crypto.seal_raw import (
+    RawCiphertext,
+    SealIO,
+    crt_lift,
+    mulmod,
+    primes_of,
+    read_ciphertext,
+    read_plaintext,
+    write_ciphertext,
+    write_plaintext,
+)
+from fedfm.errors import CryptoParameterError, ProtocolError
+
+SMALL = (58, 40, 40, 60)  # N = 8192: top [q0, q1, q2], refresh [q0, q1], one level between
+DEEP = (58, 40, 40, 40, 40, 40, 40, 40, 40, 60)  # N = 16384, 438 bits
+SCALE = 2.0**40
+
+
+def _contexts(degree: int, bits: tuple[int, ...]) -> tuple[ts.Context, ts.Context]:
+    """A private context and its public counterpart, serialized as ``fedfm.crypto.ckks`` does."""
+    private = ts.context(ts.SCHEME_TYPE.CKKS, degree, coeff_mod_bit_sizes=list(bits))
+    private.global_scale = SCALE
+    data = private.serialize(
+        save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False
+    )
+    return private, ts.context_from(data)
+
+
+@pytest.fixture(scope="module")
+def keys() -> tuple[ts.Context, ts.Context]:
+    return _contexts(8192, SMALL)
+
+
+@pytest.fixture(scope="module")
+def server(keys: tuple[ts.Context, ts.Context]) -> RefreshServer:
+    return RefreshServer(keys[1])
+
+
+@pytest.fixture(scope="module")
+def client(keys: tuple[ts.Context, ts.Context]) -> RefreshClient:
+    return RefreshClient(keys[0])
+
+
+def _seal(context: ts.Context):
+    return context.seal_context().data
+
+
+def _encrypt(context: ts.Context, values: np.ndarray, scale: float = SCALE) -> sealapi.Ciphertext:
+    seal_context = _seal(context)
+    plain = sealapi.Plaintext()
+    sealapi.CKKSEncoder(seal_context).encode(
+        values.tolist(), seal_context.first_parms_id(), scale, plain
+    )
+    ciphertext = sealapi.Ciphertext(seal_context)
+    sealapi.Encryptor(seal_context, context.public_key().data).encrypt(plain, ciphertext)
+    return ciphertext
+
+
+def _decrypt(context: ts.Context, ciphertext: sealapi.Ciphertext, count: int) -> np.ndarray:
+    seal_context = _seal(context)
+    plain = sealapi.Plaintext()
+    sealapi.Decryptor(seal_context, context.secret_key().data).decrypt(ciphertext, plain)
+    return np.asarray(sealapi.CKKSEncoder(seal_context).decode_double(plain))[:count]
+
+
+def _times(context: ts.Context, ciphertext: sealapi.Ciphertext, factor: float):
+    """``ciphertext * factor`` rescaled: one level down (the server's public context suffices)."""
+    seal_context = _seal(context)
+    plain = sealapi.Plaintext()
+    sealapi.CKKSEncoder(seal_context).encode(factor, ciphertext.parms_id(), SCALE, plain)
+    evaluator = sealapi.Evaluator(seal_context)
+    out = sealapi.Ciphertext(seal_context)
+    evaluator.multiply_plain(ciphertext, plain, out)
+    evaluator.rescale_to_next_inplace(out)
+    return out
+
+
+def _wire(context: ts.Context, ciphertext) -> sealapi.Ciphertext:
+    return seal_deserialize(context, seal_serialize(ciphertext))
+
+
+def _level(context: ts.Context, ciphertext) -> int:
+    return _seal(context).get_context_data(ciphertext.parms_id()).chain_index()
+
+
+# --- raw SEAL access -----------------------------------------------------------------------
+
+
+def test_ciphertext_layout_matches_seal(keys):
+    private, _ = keys
+    ciphertext = _encrypt(private, np.linspace(-1, 1, 100))
+    raw = read_ciphertext(ciphertext)
+    assert raw.parms_id == tuple(ciphertext.parms_id())
+    assert raw.is_ntt_form == ciphertext.is_ntt_form()
+    assert raw.scale == ciphertext.scale
+    assert raw.data.shape == (ciphertext.size(), ciphertext.coeff_modulus_size(), 8192)
+    flat = raw.data.ravel()
+    for index in (0, 1, 8192 * 2 + 5, flat.size - 1):
+        assert int(flat[index]) == ciphertext[index]
+    primes = primes_of(_seal(private), raw.parms_id)
+    assert all((raw.data[:, j] < p).all() for j, p in enumerate(primes))
+
+    copy = write_ciphertext(private, raw)
+    assert np.array_equal(read_ciphertext(copy).data, raw.data)
+    assert np.allclose(_decrypt(private, copy, 100), np.linspace(-1, 1, 100), atol=1e-6)
+    bad = RawCiphertext(raw.parms_id, True, raw.scale, raw.data + np.uint64(primes[-1]))
+    with pytest.raises(ProtocolError, match="SEAL refused"):
+        write_ciphertext(private, bad)  # SEAL validates every word against its prime
+
+
+def test_plaintext_layout_and_ntt_round_trip(keys):
+    private, _ = keys
+    seal_context = _seal(private)
+    plain = sealapi.Plaintext()
+    sealapi.CKKSEncoder(seal_context).encode(
+        [0.5, -2.0], seal_context.first_parms_id(), SCALE, plain
+    )
+    raw = read_plaintext(private, plain)
+    assert raw.parms_id == tuple(plain.parms_id()) and raw.scale == plain.scale
+    assert raw.data.shape == (3, 8192) and raw.data.size == plain.coeff_count()
+    assert int(raw.data[1, 3]) == plain[8192 + 3]
+    copy = write_plaintext(private, raw)
+    assert copy.is_ntt_form() and np.array_equal(read_plaintext(private, copy).data, raw.data)
+
+    # The inverse NTT through SEAL gives the encoded integer polynomial: small coefficients.
+    io = SealIO(private)
+    coefficients = io.from_ntt(raw.parms_id, raw.data[None])[0]
+    primes = primes_of(seal_context, raw.parms_id)
+    lifted = crt_lift(coefficients[0], coefficients[1], primes[0], primes[1])
+    assert np.abs(lifted.to_float()).max() <= 2.0 * SCALE
+    assert np.array_equal(lifted.residues(primes), coefficients)
+    assert np.array_equal(io.to_ntt(raw.parms_id, coefficients[None])[0], raw.data)
+
+    # SEAL refuses a ciphertext whose c1 is zero ("transparent") in the transforms; the helpers
+    # append a guard polynomial, so even all-zero inputs go through.
+    transparent = io.write_ciphertext(
+        RawCiphertext(raw.parms_id, False, 1.0, np.stack([coefficients, 0 * coefficients]))
+    )
+    with pytest.raises(Exception, match="transparent"):
+        sealapi.Evaluator(seal_context).transform_to_ntt_inplace(transparent)
+    zeros = np.zeros((20, 3, 8192), dtype=np.uint64)  # more than one scratch ciphertext holds
+    assert not io.to_ntt(raw.parms_id, zeros).any()
+    io.close()
+
+
+def test_mulmod_and_crt_lift_match_python_integers():
+    generator = random.Random(5)
+    primes = [288230376150876161, 1099510890497, 1099511480321, 97, (1 << 60) - 93]
+    for p in primes:
+        a = [generator.randrange(p) for _ in range(500)] + [0, p - 1]
+        for b in (0, 1, p - 1, generator.randrange(p), generator.randrange(1 << 90)):
+            got = mulmod(np.array(a, dtype=np.uint64), b, p)
+            assert got.tolist() == [x * b % p for x in a]
+    q0, q1 = primes[:2]
+    half = q0 * q1 // 2
+    xs = [generator.randrange(-half, half + 1) for _ in range(2000)] + [half, -half, 0, 1, -1]
+    r0 = np.array([x % q0 for x in xs], dtype=np.uint64)
+    r1 = np.array([x % q1 for x in xs], dtype=np.uint64)
+    lifted = crt_lift(r0, r1, q0, q1)
+    assert lifted.to_int().tolist() == xs
+    assert lifted.residues(primes).tolist() == [[x % p for x in xs] for p in primes]
+
+
+def test_mask_sampler_is_uniform_on_the_closed_interval():
+    rng = np.random.default_rng(11)
+    q0, q1 = 288230376150876161, 1099510890497
+    small = sample_uniform_mask(17_000, 3, [q0, q1, 97], rng.bytes)
+    values = crt_lift(small[0], small[1], q0, q1).to_int().astype(np.int64)
+    counts = np.bincount(values + 8, minlength=17)
+    assert counts.size == 17 and values.min() == -8 and values.max() == 8
+    assert np.abs(counts / 1000 - 1).max() < 0.15  # 17 values, 1000 expected each
+    assert np.array_equal(small[2], values % 97)
+    for bits in (61, 62, 63, 95):  # both limb layouts and the switch between them
+        limbs = sample_uniform_mask(4096, bits, [q0, q1, 1099511480321], rng.bytes)
+        lifted = crt_lift(limbs[0], limbs[1], q0, q1)
+        drawn = lifted.to_float() / 2.0**bits
+        assert np.abs(drawn).max() <= 1.0 and drawn.max() > 0.99 and drawn.min() < -0.99
+        assert np.array_equal(lifted.residues([1099511480321])[0], limbs[2])
+
+
+# --- the protocol --------------------------------------------------------------------------
+
+
+def test_round_trip_refreshes_to_the_top_level(keys, server, client):
+    private, public = keys
+    values = np.random.default_rng(0).uniform(-300, 300, 4096)
+    ciphertext = _times(public, _wire(public, _encrypt(private, values)), 0.5)
+    assert (
+        _level(public, ciphertext) == 1 and tuple(ciphertext.parms_id()) == server.refresh_parms_id
+    )
+
+    masked, mask = server.mask(ciphertext)
+    masked = MaskedCiphertext.from_bytes(private, masked.to_bytes())  # over the wire
+    fresh = _wire(public, client.refresh(masked))
+    result = server.unmask(fresh, mask)
+
+    assert tuple(result.parms_id()) == server.top_parms_id == client.top_parms_id
+    assert result.scale == ciphertext.scale
+    assert np.abs(_decrypt(private, result, 4096) - 0.5 * values).max() < 1e-6
+    again = _times(public, result, 0.25)  # a level to spend again
+    assert np.abs(_decrypt(private, again, 4096) - 0.125 * values).max() < 1e-6
+
+
+def test_refresh_many_and_masking_from_the_top_level(keys, server, client):
+    private, _ = keys
+    rng = np.random.default_rng(1)
+    batches = [rng.uniform(-5, 5, 100) for _ in range(3)]
+    ciphertexts = [_encrypt(private, values) for values in batches]  # top level: mod-switched
+    pairs = [server.mask(ciphertext) for ciphertext in ciphertexts]
+    fresh = client.refresh_many([masked for masked, _ in pairs])
+    for values, (_, mask), refreshed in zip(batches, pairs, fresh, strict=True):
+        result = server.unmask(refreshed, mask)
+        assert np.abs(_decrypt(private, result, 100) - values).max() < 1e-6
+    assert client.refresh_many([]) == []
+
+
+def test_server_needs_only_the_public_key(keys, server):
+    private, public = keys
+    assert not public.is_private() and private.is_private()
+    with pytest.raises(CryptoParameterError, match="secret key"):
+        RefreshServer(private)
+    with pytest.raises(CryptoParameterError, match="secret key"):
+        RefreshClient(public)
+    # The mask re-randomises c1: it no longer equals the (server-computed) input's c1.
+    ciphertext = _times(public, _encrypt(private, np.ones(8)), 2.0)
+    masked, _ = server.mask(ciphertext)
+    assert not np.array_equal(
+        read_ciphertext(masked.ciphertext).data[1], read_ciphertext(ciphertext).data[1]
+    )
+
+
+def test_deep_chain_at_16384():
+    private, public = _contexts(16384, DEEP)
+    server, client = RefreshServer(public), RefreshClient(private)
+    assert server.mask_bits == 95  # q0 q1 has 98 bits
+    assert server.statistical_distance_bound(2.0**10, 2.0**40) <= 2.0**-40
+    assert server.ciphertext_distance_bound(2.0**10, 2.0**40) == pytest.approx(
+        16384 * server.statistical_distance_bound(2.0**10, 2.0**40)
+    )
+    values = np.random.default_rng(2).uniform(-300, 300, 8192)
+    ciphertext = _encrypt(private, values)
+    for _ in range(7):  # spend every level above the refresh level
+        ciphertext = _times(public, ciphertext, 1.0)
+    assert tuple(ciphertext.parms_id()) == server.refresh_parms_id
+    masked, mask = server.mask(ciphertext)
+    result = server.unmask(client.refresh(masked), mask)
+    assert _level(public, result) == 8
+    assert np.abs(_decrypt(private, result, 8192) - values).max() < 1e-6
+
+
+def test_client_view_is_statistically_independent_of_the_message(keys, client):
+    private, public = keys
+    server = RefreshServer(public, rng=np.random.default_rng(3))  # reproducible masks
+    bound = 2.0**-40
+    assert server.statistical_distance_bound(2.0**10, SCALE) <= bound
+    big = 2.0**server.mask_bits
+
+    first = np.random.default_rng(4).uniform(-300, 300, 4096)
+    second = np.full(4096, 1000.0)
+    views, plains = [], []
+    for values in (first, second):
+        ciphertext = _times(public, _encrypt(private, values), 1.0)
+        plain = observe_masked(client, ciphertext).astype(np.float64)  # unmasked m + e
+        # Coefficients are bounded by scale * max |slot| (canonical embedding), far below B.
+        assert np.abs(plain).max() <= ciphertext.scale * np.abs(values).max() * (1 + 1e-9)
+        assert np.abs(plain).max() < big * 2.0**-40
+        plains.append(plain)
+        views.append(observe_masked(client, server.mask(ciphertext)[0]).astype(np.float64))
+
+    for view, plain in zip(views, plains, strict=True):
+        scaled = view / big
+        assert np.abs(scaled).max() <= 1.0 + 2.0**-40 and np.abs(scaled).max() > 0.5
+        assert abs(scaled.mean()) < 0.05  # standard error 1 / sqrt(3 * 8192) ~ 0.006
+        assert scaled.std() == pytest.approx(1 / np.sqrt(3), rel=0.05)
+        assert abs(np.corrcoef(view, plain)[0, 1]) < 0.05
+    # Two very different messages (spread slots vs. a constant): indistinguishable views.
+    assert stats.ks_2samp(views[0], views[1]).pvalue > 1e-3
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+def test_ciphertext_below_the_refresh_level_is_refused(keys, server, client):
+    private, public = keys
+    ciphertext = _times(public, _times(public, _encrypt(private, np.ones(4)), 1.0), 1.0)
+    assert _level(public, ciphertext) == 0
+    with pytest.raises(ProtocolError, match=r"level 0 .* below the refresh level"):
+        server.mask(ciphertext)
+    with pytest.raises(ProtocolError, match="refusing to refresh a ciphertext at level 0"):
+        client.refresh(ciphertext)
+
+
+def test_client_refuses_a_ciphertext_not_at_the_refresh_level(keys, client):
+    private, _ = keys
+    with pytest.raises(ProtocolError, match=r"refusing to refresh a ciphertext at level 2"):
+        client.refresh(_encrypt(private, np.ones(4)))
+
+
+def test_unmask_refuses_wrong_level_or_scale(keys, server, client):
+    private, public = keys
+    masked, mask = server.mask(_encrypt(private, np.ones(4)))
+    fresh = client.refresh(masked)
+    lower = sealapi.Ciphertext(_seal(public))
+    sealapi.Evaluator(_seal(public)).mod_switch_to_next(fresh, lower)
+    with pytest.raises(ProtocolError, match="expected the top level"):
+        server.unmask(lower, mask)
+    fresh.scale = 2.0 * fresh.scale
+    with pytest.raises(ProtocolError, match="scale"):
+        server.unmask(fresh, mask)
+
+
+def test_unrelinearised_ciphertext_and_garbage_bytes_are_refused(keys, server):
+    private, public = keys
+    ciphertext = _encrypt(private, np.ones(4))
+    square = sealapi.Ciphertext(_seal(public))
+    sealapi.Evaluator(_seal(public)).square(ciphertext, square)
+    with pytest.raises(ProtocolError, match="size 2"):
+        server.mask(square)
+    with pytest.raises(ProtocolError):
+        seal_deserialize(public, b"\x5e\xa1 not a ciphertext")
+
+
+@pytest.mark.parametrize(
+    ("bits", "options", "message"),
+    [
+        ((60, 40, 60), {}, "at least three data primes"),
+        ((30, 20, 40, 60), {}, "no room for the mask"),
+        (SMALL, {"mask_bits": 96}, "does not fit"),
+        (SMALL, {"mask_bits": 60}, "no room for the mask"),
+    ],
+)
+def test_parameters_without_room_for_the_mask(bits, options, message):
+    _, public = _contexts(8192, bits)
+    with pytest.raises(CryptoParameterError, match=message):
+        RefreshServer(public, **options)
