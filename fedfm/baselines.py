@@ -48,7 +48,7 @@ from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.client import ClientData
-from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from fedfm.protocols.double_blind.config import DoubleBlindConfig, revealed_blocks
 from fedfm.protocols.double_blind.driver import RoundRecord, RunState, load_state, save_state
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.server import balanced_accuracy
@@ -269,7 +269,7 @@ def protocol_trainable_parameters(
     """Adapter and head parameters of the protocol's client for ``config`` (``rank=0``: head)."""
     dim = model.vit.embed_dim
     adapter = SideAdapterHead(
-        num_blocks=model.num_blocks,
+        num_blocks=len(revealed_blocks(config.reveal, model.num_blocks)),
         dim=dim,
         num_classes=num_classes,
         rank=config.rank,

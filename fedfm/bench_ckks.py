@@ -9,7 +9,9 @@ refreshes and round trips, bytes both ways, the error against the plaintext poly
 
 Round trips per block = refreshes + 1 (the block's output going to the client and its fresh
 encryption coming back, as in the protocol). Bytes per block count the output, the client's
-re-encryption and every refresh request and answer, as serialized for a message.
+re-encryption and every refresh request and answer, as serialized for a message. Wall time on a
+transport adds round trips x RTT (:data:`ROUND_TRIP_SECONDS`): a parameter set with more levels
+between refreshes costs more per operation but wins when round trips are slow.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from fedfm.models.fhe_vit import FheViT
 from fedfm.pipeline import DistillRun, load_data, load_student
 from fedfm.protocols.double_blind.server import model_geometry
 from fedfm.results import write_results
+
+# Round-trip times to project a block's wall time onto a transport: Flower simulation (about
+# 0.1 s) and the Deployment Engine (6-10 s measured; 8 s here).
+ROUND_TRIP_SECONDS = {"simulation": 0.1, "deployment": 8.0}
 
 
 def _payload_bytes(payload: dict[str, np.ndarray]) -> int:
@@ -116,6 +122,10 @@ def measure_block(
         "error_over_range": error / span,
         "token_argmax_agreement": agree,
         "reference_clamped": clamped,
+        **{
+            f"seconds_per_block_{transport}": seconds + (traffic["refreshes"] + 1) * rtt
+            for transport, rtt in ROUND_TRIP_SECONDS.items()
+        },
         "keygen_seconds": keygen,
         "public_context_bytes": len(public),
         "refresh_places": stats.places[before[3] :],
@@ -129,17 +139,55 @@ def measure_block(
     return row
 
 
+def measure_forward(
+    model: FheViT, backend: CkksBackend, images: torch.Tensor, *, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Embedding and every block under CKKS with the client re-encrypting between blocks (as in
+    the protocol); per-block errors and the model head's predictions against plaintext."""
+    geometry = model_geometry(model)
+    owner = backend.create_key_owner(geometry=geometry)
+    evaluator = backend.create_evaluator(owner.public_context(), geometry)
+
+    def refresh(items: list[Any]) -> list[Any]:
+        return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
+
+    started = time.perf_counter()
+    batch = drive(evaluator.embed(model, owner.encrypt(images.numpy())), refresh)
+    errors = []
+    with torch.no_grad():
+        expected = model.embed(images)
+        for index in range(model.num_blocks):
+            expected = model.block(index, expected)
+            output = drive(evaluator.evaluate_block(model, index, batch), refresh)
+            hidden = owner.decrypt(output)
+            errors.append(float(np.abs(hidden - expected.numpy()).max() / expected.abs().max()))
+            log(f"[fedfm] bench-ckks forward: block {index + 1} error/range {errors[-1]:.1e}")
+            batch = evaluator.load(owner.encrypt(hidden).to_payload())
+        seconds = time.perf_counter() - started
+        encrypted = model.head(torch.from_numpy(hidden)).argmax(dim=1)
+        plain = model.head(expected).argmax(dim=1)
+    return {
+        "batch_size": len(images),
+        "seconds": seconds,
+        "seconds_per_sample": seconds / len(images),
+        "block_error_over_range": errors,
+        "predictions_agree": int((encrypted == plain).sum()),
+        "samples": len(images),
+    }
+
+
 def run_ckks_benchmark(
     run: DistillRun,
     *,
     backend_name: str = "ckks",
     batch_sizes: Sequence[int] = (16, 64, 256),
     block: int = 0,
+    forward_batch: int = 0,
     results_dir: Path = Path("results"),
     log: Callable[[str], None] = print,
     command: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Measure one block per batch size and write ``results/ckks_block.{json,md}``."""
+    """Measure one block per batch size; write ``results/ckks_block[_<backend>].{json,md}``."""
     backend = get_backend(backend_name)
     if not isinstance(backend, CkksBackend):
         raise ConfigError(f"bench-ckks measures a CKKS backend, not {backend_name!r}")
@@ -159,12 +207,17 @@ def run_ckks_benchmark(
         measure_block(model, backend, splits.test.images[:n], block=block, log=log)
         for n in batch_sizes
     ]
+    forward = (
+        measure_forward(model, backend, splits.test.images[:forward_batch], log=log)
+        if forward_batch
+        else None
+    )
     by_batch = {row["batch_size"]: row for row in rows}
     headline = by_batch.get(64, rows[-1])
     params = backend.params
     write_results(
         results_dir,
-        "ckks_block",
+        "ckks_block" if backend_name == "ckks" else f"ckks_block_{backend_name}",
         title="One encrypted ViT block under CKKS (TenSEAL) vs the simulate backend",
         description=(
             f"Block {block + 1} of the distilled student in {student_path} ({model.num_blocks} "
@@ -175,7 +228,15 @@ def run_ckks_benchmark(
             "masked refreshes. One process on one core; refreshes answered in process by the "
             "data owner (no network: add round trips x RTT). `simulate` is the plaintext "
             "polynomial block (torch, one thread) the simulate backend runs. A forward pass "
-            f"is {model.num_blocks} such blocks."
+            f"is {model.num_blocks} such blocks"
+            + (
+                f"; measured on {forward['samples']} images: {forward['predictions_agree']} "
+                "head predictions agree with the plaintext model, per-block max error / range "
+                + ", ".join(f"{e:.1e}" for e in forward["block_error_over_range"])
+                + "."
+                if forward
+                else "."
+            )
         ),
         rows=[{k: v for k, v in row.items() if k != "refresh_places"} for row in rows],
         columns=[
@@ -189,6 +250,7 @@ def run_ckks_benchmark(
             ("round_trips", "round trips"),
             ("bytes_per_sample_per_block", "bytes/sample/block"),
             ("ratio_vs_simulate", "x simulate"),
+            ("seconds_per_block_deployment", "s/block at 8 s RTT"),
             ("error_over_range", "max error / range"),
         ],
         extra={
@@ -205,6 +267,7 @@ def run_ckks_benchmark(
             "headline_batch_size": headline["batch_size"],
             "refresh_places": {row["batch_size"]: row["refresh_places"] for row in rows},
             "cores_used": 1,
+            "forward_pass": forward,
         },
         command=command,
     )

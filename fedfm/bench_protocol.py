@@ -31,6 +31,7 @@ from fedfm.baselines import (
     FineTuneConfig,
     finetune_model,
     protocol_trainable_parameters,
+    run_adaptation,
     run_full_finetune,
     trainable_parameters,
 )
@@ -40,7 +41,12 @@ from fedfm.errors import ConfigError
 from fedfm.observed import BlockTraffic, DrawnBatches, ObservedRun, run_observed
 from fedfm.pipeline import DistillRun, load_data, obtain_student
 from fedfm.protocols.double_blind.client import ClientData
-from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_BLOCK, DoubleBlindConfig
+from fedfm.protocols.double_blind.config import (
+    EVALUATE_BLOCK,
+    TRAIN_BLOCK,
+    DoubleBlindConfig,
+    revealed_blocks,
+)
 from fedfm.protocols.double_blind.driver import RoundRecord
 from fedfm.protocols.double_blind.runner import Federation, federation_data
 from fedfm.results import write_results
@@ -425,7 +431,12 @@ def run_extraction_benchmark(
         ]
         observed = run_observed(student, datasets, run_config, observers=clients, log=log)
         metrics = extraction_metrics(
-            student.num_blocks, datasets, run_config, clients, observed.server.drawn, mlp=mlp
+            observed.server.num_blocks,
+            datasets,
+            run_config,
+            clients,
+            observed.server.drawn,
+            mlp=mlp,
         )
         for name, values in metrics.items():
             what, unit = _note(name)
@@ -454,9 +465,16 @@ def run_extraction_benchmark(
         "relative permutations, R^2 on evaluation-round pairs (other samples). R^2 = 1 - SSE/SST "
         "with SST around the per-token means. See docs/double_blind.md."
     )
+    if config.reveal != "all":
+        shown = revealed_blocks(config.reveal, student.num_blocks)
+        description += (
+            f" Tap set reveal={config.reveal}: the client sees only the outputs of blocks "
+            f"{shown} of {student.num_blocks}; 'block l' above is the l-th revealed output, a "
+            "composite of the blocks since the previous one."
+        )
     write_results(
         results_dir,
-        "extraction",
+        "extraction" if config.reveal == "all" else f"extraction_reveal-{config.reveal}",
         title="Model extraction from a curious client's view (App. C)",
         description=description,
         rows=rows,
@@ -468,6 +486,102 @@ def run_extraction_benchmark(
             ("mean", "mean"),
             ("min", "min"),
             ("max", "max"),
+        ],
+        extra={"config": config.to_config(), "federation": asdict(federation)},
+        command=command,
+    )
+    return rows
+
+
+def run_reveal_benchmark(
+    run: DistillRun,
+    config: DoubleBlindConfig,
+    federation: Federation,
+    *,
+    reveals: Sequence[str] = ("all", "every-other", "last-two"),
+    extraction_rounds: int = 3,
+    results_dir: Path = Path("results"),
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    command: str | None = None,
+) -> list[dict[str, Any]]:
+    """Accuracy against exposure for tap sets (fewer revealed blocks); write ``reveal_tradeoff``.
+
+    Per tap set: the protocol's final balanced accuracy after ``config.rounds`` rounds (adapter
+    on the revealed outputs only), and a curious client's attacks after ``extraction_rounds``
+    rounds with every client curious: (a') label-aware row alignment of the first revealed
+    output, and (b) the linear fit of each later revealed output from the one before it (a
+    composite of the hidden blocks in between), R^2 on held-out evaluation pairs.
+    """
+    _check_simulate(config)
+    student = obtain_student(run, progress=progress, log=log)
+    splits, image_size = load_data(run)
+    datasets = federation_data(splits, federation, config)
+    backend = get_backend(config.backend)
+    rows = []
+    for reveal in reveals:
+        shown = revealed_blocks(reveal, student.num_blocks)
+        ours = replace(config, reveal=reveal)
+        result = run_adaptation("ours", student, splits, ours, federation)
+        curious = replace(ours, rounds=extraction_rounds)
+        clients = [attacks.CuriousClient(node, backend) for node in range(len(datasets))]
+        clients = [
+            client
+            for client, data in zip(clients, datasets, strict=True)
+            if min(len(data.eval_labels), len(data.train_labels)) >= config.batch_size
+        ]
+        observed = run_observed(student, datasets, curious, observers=clients, log=log)
+        metrics = extraction_metrics(
+            len(shown), datasets, curious, clients, observed.server.drawn, mlp=False
+        )
+        later = [
+            float(np.mean(values))
+            for name, values in metrics.items()
+            if name.startswith("b") and name.endswith("_r2_output") and "control" not in name
+        ]
+        rows.append(
+            {
+                "reveal": reveal,
+                "blocks_shown": ",".join(str(b) for b in shown),
+                "trainable_parameters": result.trainable_parameters,
+                "round_trips_per_round": result.history[-1].round_trips,
+                **_accuracy_summary(result.history),
+                "a_labels_matched": float(np.mean(metrics["a_labels_matched"])),
+                "a_labels_r2": float(np.mean(metrics["a_labels_r2"])),
+                "b_best_r2_output": max(later) if later else None,
+                "b_mean_r2_output": float(np.mean(later)) if later else None,
+            }
+        )
+        log(f"[fedfm] bench-reveal {reveal}: {rows[-1]}")
+    write_results(
+        results_dir,
+        "reveal_tradeoff",
+        title="Tap sets: accuracy against what a curious client can fit",
+        description=(
+            f"Double-blind adaptation on {run.dataset} with the FHE-friendly student of "
+            f"{run.model} at {image_size}px, K={federation.num_clients} ({federation.scheme}, "
+            f"alpha={federation.alpha}), n={config.batch_size} x {config.batches_per_round}, "
+            f"{config.rounds} rounds for accuracy (balanced, held-out client data), backend "
+            f"`{config.backend}`. The client receives only the outputs of `blocks_shown`; its side "
+            "adapter taps those. Attacks after "
+            f"{extraction_rounds} rounds with every client curious: (a') rows of the first "
+            "revealed output matched to their images with labels (share) and the embedding + "
+            "blocks fit after that alignment (R^2); (b) each later revealed output fitted "
+            "linearly from the previous one on aligned training pairs, R^2 on held-out "
+            "evaluation pairs (mean over outputs and the best one). See docs/ckks.md."
+        ),
+        rows=rows,
+        columns=[
+            ("reveal", "reveal"),
+            ("blocks_shown", "blocks shown"),
+            ("trainable_parameters", "trainable params"),
+            ("final_balanced_accuracy", "final bal. acc."),
+            ("last5_mean_balanced_accuracy", "last-5 mean"),
+            ("round_trips_per_round", "round trips/round"),
+            ("a_labels_matched", "(a') rows matched"),
+            ("a_labels_r2", "(a') R^2"),
+            ("b_mean_r2_output", "(b) mean R^2"),
+            ("b_best_r2_output", "(b) best R^2"),
         ],
         extra={"config": config.to_config(), "federation": asdict(federation)},
         command=command,

@@ -171,6 +171,16 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> 
     )
     group.add_argument("--batches-per-round", type=int, default=4)
     group.add_argument("--rank", type=int, default=8, help="adapter rank (0: linear probing)")
+    group.add_argument(
+        "--reveal",
+        default="all",
+        help="blocks whose outputs the client sees: all, every-other, last-two, last or '2,4'",
+    )
+    group.add_argument(
+        "--backend",
+        default="simulate",
+        help="crypto backend: simulate (plaintext stand-in), ckks (TenSEAL, N=16384), ckks-8192",
+    )
     group.add_argument("--adapter-alpha", type=float, default=1.0, help="adapter scale (Eq. 5)")
     group.add_argument(
         "--lr",
@@ -214,6 +224,8 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
         alpha=args.adapter_alpha,
         lr=protocol_lr,
         seed=args.seed,
+        backend=args.backend,
+        reveal=args.reveal,
     )
     federation = Federation(
         num_clients=args.clients, scheme=args.partition, alpha=args.alpha, seed=args.seed
@@ -301,6 +313,21 @@ def _bench_extraction(args: argparse.Namespace) -> None:
     )
 
 
+def _bench_reveal(args: argparse.Namespace) -> None:
+    from fedfm.bench_protocol import run_reveal_benchmark
+
+    config, federation, _ = _protocol_from_args(args)
+    run_reveal_benchmark(
+        _run_from_args(args, args.workdir),
+        config,
+        federation,
+        reveals=args.reveals,
+        results_dir=args.results_dir,
+        progress=not args.no_progress,
+        command=args.command_line,
+    )
+
+
 def _bench_ckks(args: argparse.Namespace) -> None:
     from fedfm.bench_ckks import run_ckks_benchmark
 
@@ -309,6 +336,7 @@ def _bench_ckks(args: argparse.Namespace) -> None:
         backend_name=args.backend,
         batch_sizes=args.batch_sizes,
         block=args.block - 1,
+        forward_batch=args.forward_batch,
         results_dir=args.results_dir,
         command=args.command_line,
     )
@@ -398,6 +426,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_extraction.set_defaults(handler=_bench_extraction)
 
+    bench_reveal = commands.add_parser(
+        "bench-reveal", help="tap sets: accuracy against a curious client's fits"
+    )
+    _add_run_arguments(bench_reveal, protocol=True)
+    _add_protocol_arguments(bench_reveal, rounds=20)
+    bench_reveal.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench_reveal.add_argument(
+        "--reveals", nargs="+", default=["all", "every-other", "last-two"], help="tap sets"
+    )
+    bench_reveal.set_defaults(handler=_bench_reveal)
+
     bench_ckks = commands.add_parser(
         "bench-ckks", help="one encrypted block under CKKS: time, refreshes, bytes, error"
     )
@@ -408,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-sizes", type=int, nargs="+", default=[16, 64, 256], help="samples per batch"
     )
     bench_ckks.add_argument("--block", type=int, default=1, help="which block (1-based)")
+    bench_ckks.add_argument(
+        "--forward-batch",
+        type=int,
+        default=16,
+        help="also run every block on this many images and compare predictions (0: skip)",
+    )
     bench_ckks.add_argument("--results-dir", type=Path, default=Path("results"))
     bench_ckks.set_defaults(handler=_bench_ckks)
     return parser

@@ -21,6 +21,7 @@ from fedfm.approx import (
     evaluate_inverse,
     newton_inv_sqrt,
     polyval,
+    reset_clamped,
     set_domain_policy,
     taylor_exp,
 )
@@ -201,6 +202,13 @@ def test_layer_norm_approximation_and_domain_policies() -> None:
     set_domain_policy(module, "clamp")
     module(too_large)
     assert clamped_count(module) > 0
+    # below the domain Newton's iteration under-estimates 1/sqrt but stays bounded: no clamp,
+    # so an encrypted evaluator (which cannot clamp) computes the same
+    reset_clamped(module)
+    tiny = module(x * 0.01)
+    assert clamped_count(module) == 0
+    exact_scale = exact(x * 0.01).abs().max()
+    assert torch.isfinite(tiny).all() and tiny.abs().max() <= exact_scale
     with pytest.raises(ConfigError):
         set_domain_policy(module, "ignore")  # type: ignore[arg-type]
 

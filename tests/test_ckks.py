@@ -30,8 +30,9 @@ from fedfm.crypto.backend import drive
 from fedfm.crypto.ckks import CkksBackend, CkksEvaluator, CkksKeyOwner, _digest, patchify
 from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.simulate import SimulateBackend
-from fedfm.errors import CryptoParameterError, ModelError, ProtocolError
+from fedfm.errors import ConfigError, CryptoParameterError, ModelError, ProtocolError
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
+from fedfm.protocols.double_blind.config import DoubleBlindConfig
 
 GEOMETRY = ModelGeometry(tokens=5, patch_size=4)
 TOLERANCE = 1e-4
@@ -79,6 +80,8 @@ def test_backend_is_registered_and_parameters_are_checked() -> None:
         assert registered.name == name
     assert CKKS_16384.modulus_bits == 438 and CKKS_16384.secure_128
     assert CKKS_16384.levels_between_refreshes == 7
+    with pytest.raises(ConfigError, match="unknown crypto backend"):
+        DoubleBlindConfig(backend="ckk")
     with pytest.raises(CryptoParameterError, match="below 128-bit security"):
         CkksBackend(CkksParameters(8192, (60, 60, 60, 60), 40))
     with pytest.raises(CryptoParameterError, match="no level between refreshes"):

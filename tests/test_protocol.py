@@ -29,7 +29,12 @@ from fedfm.protocols.double_blind import (
     DoubleBlindServer,
     SideAdapterHead,
 )
-from fedfm.protocols.double_blind.config import SETUP, TRAIN_BLOCK, TRAIN_LOSS
+from fedfm.protocols.double_blind.config import (
+    SETUP,
+    TRAIN_BLOCK,
+    TRAIN_LOSS,
+    revealed_blocks,
+)
 from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
 from fedfm.protocols.double_blind.runner import Federation, run_in_process
 from fedfm.protocols.transport import Envelope
@@ -267,6 +272,56 @@ def test_protocol_update_equals_plaintext_sgd_step(model, splits) -> None:
         expected = (parameter - 0.5 * parameter.grad).detach().numpy()
         np.testing.assert_allclose(outcome.arrays[name], expected, rtol=1e-4, atol=1e-5)
     assert outcome.train_loss == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(("reveal", "shown"), [("last-two", [3, 4]), ("every-other", [2, 4])])
+def test_tap_sets_reveal_only_their_blocks_and_train_on_them(model, splits, reveal, shown) -> None:
+    """With hidden blocks the client receives only the chosen outputs (the server chains the
+    others), its adapter taps only those, and its update is still the plaintext SGD step."""
+    assert revealed_blocks(reveal, 4) == shown
+    config = small_config(momentum=0.0, lr=0.5, reveal=reveal, permute=False)
+    server, client, state = setup_pair(model, splits, config)
+    initial = server.initial_arrays(96)
+    outcome = server.start("train", 7, 1, initial)
+    batches = [b.copy() for b in server.sessions[7].in_flight.indices]
+    seen = []
+    while isinstance(outcome, Envelope):
+        if outcome.message_type == TRAIN_BLOCK:
+            seen.append((outcome.config["block"], outcome.config["num_blocks"]))
+        reply, state = client.handle(outcome, state)
+        outcome = server.on_reply(reply)
+    assert seen == [(m, len(shown)) for m in range(1, len(shown) + 1)]
+
+    adapter = SideAdapterHead(num_blocks=len(shown), dim=96, num_classes=10, rank=8)
+    adapter.set_arrays(initial)
+    data = make_data(splits)
+    images, labels = torch.from_numpy(data.train_images), torch.from_numpy(data.train_labels)
+    identity = torch.arange(16)
+    losses = []
+    with torch.no_grad():
+        outputs = []
+        for batch in batches:
+            hidden, taps = model.embed(images[torch.from_numpy(batch)]), []
+            for index in range(4):
+                hidden = model.block(index, hidden)
+                if index + 1 in shown:
+                    taps.append(hidden)
+            outputs.append(taps)
+    for taps, batch in zip(outputs, batches, strict=True):
+        logits = adapter(taps, identity, torch.stack([identity] * len(shown)))
+        losses.append(torch.nn.functional.cross_entropy(logits, labels[torch.from_numpy(batch)]))
+    torch.stack(losses).mean().backward()
+    for name, parameter in adapter.named_parameters():
+        expected = (parameter - 0.5 * parameter.grad).detach().numpy()
+        np.testing.assert_allclose(outcome.arrays[name], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_reveal_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="block numbers like"):
+        DoubleBlindConfig(reveal="some")
+    with pytest.raises(ConfigError, match="include the last block"):
+        revealed_blocks("1,2", 4)
+    assert revealed_blocks("all", 3) == [1, 2, 3] and revealed_blocks("last", 3) == [3]
 
 
 def test_in_process_run_accounts_round_trips(model, splits) -> None:

@@ -63,7 +63,12 @@ class _Calibrated(nn.Module):
         return values / self.input_bound
 
     def _enforce(
-        self, scaled: torch.Tensor, domain: tuple[float, float], *, open_interval: bool
+        self,
+        scaled: torch.Tensor,
+        domain: tuple[float, float],
+        *,
+        open_interval: bool,
+        clamp_low: bool = True,
     ) -> torch.Tensor:
         if self.domain_policy == "raise":
             check_domain(
@@ -74,6 +79,8 @@ class _Calibrated(nn.Module):
         if open_interval:  # stay strictly inside (low, high)
             span = high - low
             low, high = low + 1e-6 * span, high - 1e-6 * span
+        if not clamp_low:
+            low = -float("inf")
         outside = (scaled < low) | (scaled > high)
         self.clamped += int(outside.sum())
         return scaled.clamp(low, high)
@@ -147,7 +154,10 @@ class ApproxLayerNorm(_Calibrated):
         centered = x - x.mean(dim=-1, keepdim=True)
         variance = (centered * centered).mean(dim=-1, keepdim=True) + self.eps
         scaled = self._scale(variance, self.spec.calibration_margin)
-        scaled = self._enforce(scaled, self.spec.domain, open_interval=False)
+        # Below its domain Newton's iteration stays bounded (it approaches 1/sqrt(u) from below
+        # and under-estimates it), so only the top, where it diverges, is clamped: an encrypted
+        # evaluator, which cannot clamp, then computes the same as this module.
+        scaled = self._enforce(scaled, self.spec.domain, open_interval=False, clamp_low=False)
         # 1/sqrt(v) = (1/sqrt(v/B)) / sqrt(B): sqrt(B) is a plaintext constant.
         inv_std = evaluate_inv_sqrt(self.spec, scaled) * self.input_bound.rsqrt()
         return centered * inv_std * self.weight + self.bias

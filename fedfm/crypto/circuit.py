@@ -219,18 +219,10 @@ class Circuit:
 
     def product_sum(self, pairs: Sequence[tuple[Ciphertext, Ciphertext]]) -> Ciphertext:
         """``sum_i a_i * b_i`` of ciphertexts: one relinearisation and one rescale in all."""
-        cts = self.align([ct for pair in pairs for ct in pair])
-        total = None
-        for a, b in zip(cts[::2], cts[1::2], strict=True):
-            self._require(a)
-            product = self._out(self.evaluator.multiply, a, b)
-            if total is None:
-                total = product
-            else:
-                self.evaluator.add_inplace(total, product)
-        self.stats.products += len(pairs)
-        self.evaluator.relinearize_inplace(total, self.relin_keys)
-        return self._rescale(total)
+        total = ProductSum(self)
+        for a, b in pairs:
+            total.add(a, b)
+        return total.result()
 
     def multiply(self, a: Ciphertext, b: Ciphertext) -> Ciphertext:
         return self.product_sum([(a, b)])
@@ -274,6 +266,36 @@ class Circuit:
         if remaining:
             raise CryptoParameterError(f"no rotation keys compose a rotation by {steps} slots")
         return out
+
+
+class ProductSum:
+    """A sum of ciphertext products built term by term (so operands can be made and dropped one
+    at a time), relinearised and rescaled once by :meth:`result`."""
+
+    def __init__(self, circuit: Circuit) -> None:
+        self.circuit = circuit
+        self.total: Ciphertext | None = None
+
+    def add(self, a: Ciphertext, b: Ciphertext) -> None:
+        circuit = self.circuit
+        operands = [a, b] if self.total is None else [a, b, self.total]
+        a, b, *rest = circuit.align(operands)
+        circuit._require(a)
+        product = circuit._out(circuit.evaluator.multiply, a, b)
+        circuit.stats.products += 1
+        if self.total is None:
+            self.total = product
+        else:
+            total = rest[0]
+            circuit.evaluator.add_inplace(total, product)
+            self.total = total
+
+    def result(self) -> Ciphertext:
+        if self.total is None:
+            raise ProtocolError("internal: an empty product sum")
+        circuit = self.circuit
+        circuit.evaluator.relinearize_inplace(self.total, circuit.relin_keys)
+        return circuit._rescale(self.total)
 
 
 # -- traced polynomials ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from fedfm.approx.evaluate import evaluate_inv_sqrt, evaluate_inverse, polyval
 from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax
 from fedfm.crypto.backend import Work
 from fedfm.crypto.benes import benes_layers, drop_identity_layers, pad_permutation
-from fedfm.crypto.circuit import Ciphertext, Circuit, evaluate_traced, symbol
+from fedfm.crypto.circuit import Ciphertext, Circuit, ProductSum, evaluate_traced, symbol
 from fedfm.crypto.packing import SlotLayout
 from fedfm.errors import ModelError, ProtocolError
 from fedfm.models.fhe_vit import FheAttention, FheViT
@@ -216,16 +216,13 @@ def layer_norm(
     return out, centring
 
 
-def _shifted(circuit: Circuit, cts: list[Ciphertext], tokens: int) -> list[list[Ciphertext]]:
-    """Each ciphertext rotated left by ``0 .. tokens - 1`` slots (one rotation per shift)."""
-    out = []
-    for ct in cts:
-        shifts = [ct]
-        for d in range(1, tokens):
-            power = 1 << (d.bit_length() - 1)
-            shifts.append(circuit.rotate(shifts[d - power], power))
-        out.append(shifts)
-    return out
+def _shifts(circuit: Circuit, ct: Ciphertext, tokens: int) -> list[Ciphertext]:
+    """``ct`` rotated left by ``0 .. tokens - 1`` slots (one rotation per shift)."""
+    shifts = [ct]
+    for d in range(1, tokens):
+        power = 1 << (d.bit_length() - 1)
+        shifts.append(circuit.rotate(shifts[d - power], power))
+    return shifts
 
 
 def attention(
@@ -253,19 +250,17 @@ def attention(
     tensors = yield from circuit.ensure([_flat(q), _flat(k), _flat(v)], 1, f"{place}/logits")
     q, k, v = (_shape(t, dim) for t in tensors)
     count, tokens = len(x[0]), layout.tokens
-    logits: list[Ciphertext] = []  # [head][shift][ciphertext], flattened
-    shifted_v = []
+    # logits[(h * count + c) * tokens + d]: head h, ciphertext c, key token t + d. The shifted
+    # keys of one feature at a time are made and dropped (memory O(tokens), not O(D tokens)).
+    logits: list[Ciphertext] = []
     for h in range(heads):
         features = range(h * head_dim, (h + 1) * head_dim)
         for c in range(count):
-            k_shifts = _shifted(circuit, [k[j][c] for j in features], tokens)
-            for d in range(tokens):
-                logits.append(
-                    circuit.product_sum([(q[j][c], k_shifts[n][d]) for n, j in enumerate(features)])
-                )
-        shifted_v.append(
-            [_shifted(circuit, [v[j][c] for c in range(count)], tokens) for j in features]
-        )
+            sums = [ProductSum(circuit) for _ in range(tokens)]
+            for j in features:
+                for d, shifted in enumerate(_shifts(circuit, k[j][c], tokens)):
+                    sums[d].add(q[j][c], shifted)
+            logits += [total.result() for total in sums]
     (logits,) = yield from circuit.ensure([logits], 1, f"{place}/mask")
     per_head = count * tokens
     logits = [
@@ -304,23 +299,20 @@ def attention(
     )
     tensors = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
     numerators, inverse = tensors
-    weights = [
-        circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)
-    ]  # i // tokens = head * count + c
-    flat_v = [ct for head in shifted_v for feature in head for shifts in feature for ct in shifts]
-    tensors = yield from circuit.ensure([weights, flat_v], 1, f"{place}/values")
-    weights, flat_v = tensors
+    # i // tokens = h * count + c: each head's normaliser weights its numerators
+    weights = [circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)]
+    tensors = yield from circuit.ensure([weights, _flat(v)], 1, f"{place}/values")
+    weights, v = tensors[0], _shape(tensors[1], dim)
     out: Tensor = []
-    for h in range(heads):
-        for n in range(head_dim):
-            row = []
-            for c in range(count):
-                base = ((h * head_dim + n) * count + c) * tokens
-                pairs = [
-                    (weights[(h * count + c) * tokens + d], flat_v[base + d]) for d in range(tokens)
-                ]
-                row.append(circuit.product_sum(pairs))
-            out.append(row)
+    for j in range(dim):
+        h = j // head_dim
+        row = []
+        for c in range(count):
+            total = ProductSum(circuit)
+            for d, shifted in enumerate(_shifts(circuit, v[j][c], tokens)):
+                total.add(weights[(h * count + c) * tokens + d], shifted)
+            row.append(total.result())
+        out.append(row)
     (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
     # 1/bound of the softmax is folded into the projection.
     return linear(circuit, Linear.of(attn.proj).scaled(1.0 / bound), _shape(flat, dim))

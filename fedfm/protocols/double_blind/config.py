@@ -46,6 +46,12 @@ class DoubleBlindConfig:
         Crypto backend name: ``simulate`` (plaintext stand-in) or ``ckks`` (TenSEAL).
     eval_fraction:
         Share of each client's data held out for evaluation.
+    reveal:
+        Which blocks' (permuted) outputs the client receives: ``all`` (the paper), ``every-other``
+        (the last block and every second one before it), ``last-two``, ``last``, or 1-based block
+        numbers such as ``"2,4"``. The server chains the other blocks on ciphertexts without the
+        client ever seeing their outputs; the client's side adapter taps only the revealed ones.
+        The last block is always revealed (the head reads it).
     seed:
         Seeds the server's sampling and permutations and the adapter initialisation. The
         default ``None`` draws them from the operating system, which is what a deployment
@@ -64,6 +70,7 @@ class DoubleBlindConfig:
     permute: bool = True
     backend: str = "simulate"
     eval_fraction: float = 0.2
+    reveal: str = "all"
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -80,6 +87,13 @@ class DoubleBlindConfig:
             raise ConfigError(f"adapter rank must be >= 0, got {self.rank}")
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be > 0, got {self.lr}")
+        from fedfm.crypto import BACKENDS  # here: the crypto package imports TenSEAL
+
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                f"unknown crypto backend {self.backend!r}; available: {sorted(BACKENDS)}"
+            )
+        _reveal_numbers(self.reveal)  # the spelling; the range is checked against the model
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
 
@@ -102,3 +116,37 @@ class DoubleBlindConfig:
         if known.get("seed") == -1:
             known["seed"] = None
         return cls(**known)
+
+
+REVEAL_CHOICES = ("all", "every-other", "last-two", "last")
+
+
+def revealed_blocks(reveal: str, num_blocks: int) -> list[int]:
+    """The 1-based blocks whose outputs the client receives, for a model of ``num_blocks``."""
+    last = num_blocks
+    if reveal == "all":
+        return list(range(1, last + 1))
+    if reveal == "every-other":
+        return [b for b in range(1, last + 1) if (last - b) % 2 == 0]
+    if reveal == "last-two":
+        return [b for b in (last - 1, last) if b >= 1]
+    if reveal == "last":
+        return [last]
+    blocks = _reveal_numbers(reveal)
+    if blocks[0] < 1 or blocks[-1] != last:
+        raise ConfigError(
+            f"revealed blocks {blocks} must lie in 1..{last} and include the last block {last}"
+        )
+    return blocks
+
+
+def _reveal_numbers(reveal: str) -> list[int]:
+    """Block numbers of a ``reveal`` setting that lists them (``[]`` for a named choice)."""
+    if reveal in REVEAL_CHOICES:
+        return []
+    try:
+        return sorted({int(part) for part in reveal.split(",")})
+    except ValueError:
+        raise ConfigError(
+            f"reveal must be one of {REVEAL_CHOICES} or block numbers like '2,4', got {reveal!r}"
+        ) from None

@@ -47,6 +47,7 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_BLOCK,
     TRAIN_LOSS,
     DoubleBlindConfig,
+    revealed_blocks,
 )
 from fedfm.protocols.double_blind.messages import (
     BlockRequest,
@@ -147,10 +148,13 @@ class DoubleBlindServer:
         self.rng = np.random.default_rng(config.seed)
         self.sessions: dict[int, ClientSession] = {}
         self.geometry = model_geometry(model)
+        self.revealed = revealed_blocks(config.reveal, model.num_blocks)
 
     @property
     def num_blocks(self) -> int:
-        return self.model.num_blocks
+        """Block outputs the client receives per batch (the model's blocks unless some are
+        hidden by ``reveal``): the protocol's blocks, permutations and adapter taps."""
+        return len(self.revealed)
 
     def ordered_nodes(self) -> list[int]:
         """Registered clients in a transport-independent order (partition id when known).
@@ -300,8 +304,12 @@ class DoubleBlindServer:
         assert flight is not None  # callers check; an internal invariant
         evaluator = session.evaluator
         block = flight.block + 1
-        works = [evaluator.evaluate_block(self.model, block - 1, b) for b in flight.current]
-        evaluated = yield from self._refreshing(node_id, session, lockstep(works))
+        # the model's blocks up to the next revealed one, chained on ciphertexts
+        first = self.revealed[block - 2] if block > 1 else 0
+        evaluated = flight.current
+        for index in range(first, self.revealed[block - 1]):
+            works = [evaluator.evaluate_block(self.model, index, b) for b in evaluated]
+            evaluated = yield from self._refreshing(node_id, session, lockstep(works))
         orders = []
         for perms in flight.permutations:
             previous = (

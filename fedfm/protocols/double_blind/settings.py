@@ -36,6 +36,7 @@ DEFAULTS: dict[str, RunValue] = {
     "momentum": 0.9,
     "backend": "simulate",
     "eval-fraction": 0.2,
+    "reveal": "all",
     "seed": 0,
     # data and federation
     "dataset": "digits",
@@ -142,6 +143,7 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         momentum=float(v["momentum"]),
         backend=str(v["backend"]),
         eval_fraction=float(v["eval-fraction"]),
+        reveal=str(v["reveal"]),
         seed=seed,
     )
     federation = Federation(
