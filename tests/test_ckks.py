@@ -63,6 +63,15 @@ def tiny() -> tuple[FheViT, torch.Tensor]:
     with torch.no_grad():  # timm's tiny initial class token would leave LayerNorm's domain
         vit.pos_embed.normal_(0.0, 0.5)
         vit.cls_token.normal_(0.0, 1.0)
+        # timm starts with tiny linear weights, zero biases and unit norms: attention would be
+        # uniform and biases would not matter; make every parameter count
+        for name, parameter in vit.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.3)
+            elif "norm" in name:
+                parameter.normal_(1.0, 0.3)
+            elif "blocks" in name:
+                parameter.normal_(0.0, 0.5)
     model = to_fhe_friendly(vit, ApproxConfig()).eval()
     images = torch.rand(24, 3, 8, 8)
     calibrate(model, [images])

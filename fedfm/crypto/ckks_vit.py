@@ -89,7 +89,12 @@ class Linear:
     def rows(self, start: int, stop: int) -> Linear:
         return Linear(self.weight[start:stop], self.bias[start:stop])
 
-    def scaled(self, factor: float) -> Linear:
+    def times(self, factor: float) -> Linear:
+        """The layer followed by a scaling of its output: ``(x W^T + b) * factor``."""
+        return Linear(self.weight * factor, self.bias * factor)
+
+    def on_scaled_input(self, factor: float) -> Linear:
+        """The layer applied to ``x * factor``: ``(x * factor) W^T + b``."""
         return Linear(self.weight * factor, self.bias)
 
 
@@ -244,7 +249,7 @@ def attention(
     dim, heads, head_dim = len(x), attn.num_heads, attn.head_dim
     (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/qkv")
     normed = _shape(flat, dim)
-    q = linear(circuit, qkv.rows(0, dim).scaled(attn.scale), normed)
+    q = linear(circuit, qkv.rows(0, dim).times(attn.scale), normed)
     k = linear(circuit, qkv.rows(dim, 2 * dim), normed)
     v = linear(circuit, qkv.rows(2 * dim, 3 * dim), normed)
     tensors = yield from circuit.ensure([_flat(q), _flat(k), _flat(v)], 1, f"{place}/logits")
@@ -315,7 +320,7 @@ def attention(
         out.append(row)
     (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
     # 1/bound of the softmax is folded into the projection.
-    return linear(circuit, Linear.of(attn.proj).scaled(1.0 / bound), _shape(flat, dim))
+    return linear(circuit, Linear.of(attn.proj).on_scaled_input(1.0 / bound), _shape(flat, dim))
 
 
 def mlp(
