@@ -275,3 +275,46 @@ def test_patchify_matches_the_patch_embedding(tiny: tuple[FheViT, torch.Tensor])
     assert not patches[:, 0].any()
     with pytest.raises(ProtocolError, match="patch tokens"):
         patchify(images[:2].numpy(), 4, 17)
+
+
+@pytest.mark.slow
+def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
+    """The benchmark on a micro student: one block per batch size and a full forward pass."""
+    import json
+
+    from fedfm.bench_ckks import run_ckks_benchmark
+    from fedfm.models import ModelSpec
+    from fedfm.pipeline import ApproxSettings, DistillRun, load_data, save_student
+
+    run = DistillRun(model="vit_fedfm_micro", image_size=8, max_samples=60, workdir=tmp_path)
+    splits, _ = load_data(run)
+    torch.manual_seed(0)
+    spec = ModelSpec("vit_fedfm_micro", 10, 8)
+    vit = spec.build()
+    with torch.no_grad():  # keep the class token inside LayerNorm's domain (see `tiny`)
+        vit.pos_embed.normal_(0.0, 0.5)
+        vit.cls_token.normal_(0.0, 1.0)
+    student = to_fhe_friendly(vit, ApproxSettings().build())
+    calibrate(student, [splits.aux.images])
+    save_student(tmp_path / "student.pt", student, spec, ApproxSettings())
+    rows = run_ckks_benchmark(
+        run,
+        backend_name="ckks-8192",
+        batch_sizes=(2, 4),
+        forward_batch=3,
+        results_dir=tmp_path / "results",
+        log=lambda _: None,
+        command="fedfm bench-ckks --test",
+    )
+    report = json.loads((tmp_path / "results" / "ckks_block_ckks-8192.json").read_text())
+    assert [row["batch_size"] for row in rows] == [2, 4]
+    assert report["seconds_per_sample_per_block"] == rows[-1]["seconds_per_sample_per_block"]
+    assert report["command"] == "fedfm bench-ckks --test"
+    for row in rows:
+        assert row["refreshes"] > 0 and row["round_trips"] == row["refreshes"] + 1
+        assert row["error_over_range"] < 1e-3 and row["bytes_per_sample_per_block"] > 0
+        assert row["seconds_per_block_deployment"] > row["seconds_per_block_simulation"]
+    forward = report["forward_pass"]
+    assert forward["predictions_agree"] == forward["samples"] == 3
+    with pytest.raises(ConfigError, match="not 'simulate'"):
+        run_ckks_benchmark(run, backend_name="simulate", results_dir=tmp_path)
