@@ -85,6 +85,7 @@ def measure_block(
 
     stats = evaluator.circuit.stats
     before = (stats.rotations, stats.products, stats.plain_products, len(stats.places))
+    seconds_before = dict(stats.seconds)
     started = time.perf_counter()
     output = drive(evaluator.evaluate_block(model, block, batch), refresh)
     total = time.perf_counter() - started
@@ -129,6 +130,9 @@ def measure_block(
         "keygen_seconds": keygen,
         "public_context_bytes": len(public),
         "refresh_places": stats.places[before[3] :],
+        "server_seconds_by_operation": {
+            what: spent - seconds_before.get(what, 0.0) for what, spent in stats.seconds.items()
+        },
     }
     log(
         f"[fedfm] bench-ckks batch {n}: {seconds:.1f} s per block "
@@ -238,7 +242,14 @@ def run_ckks_benchmark(
                 else "."
             )
         ),
-        rows=[{k: v for k, v in row.items() if k != "refresh_places"} for row in rows],
+        rows=[
+            {
+                k: v
+                for k, v in row.items()
+                if k not in ("refresh_places", "server_seconds_by_operation")
+            }
+            for row in rows
+        ],
         columns=[
             ("batch_size", "batch"),
             ("samples_per_ciphertext", "samples/ct"),
@@ -266,6 +277,9 @@ def run_ckks_benchmark(
             * model.num_blocks,
             "headline_batch_size": headline["batch_size"],
             "refresh_places": {row["batch_size"]: row["refresh_places"] for row in rows},
+            "server_seconds_by_operation": {
+                row["batch_size"]: row["server_seconds_by_operation"] for row in rows
+            },
             "cores_used": 1,
             "forward_pass": forward,
         },

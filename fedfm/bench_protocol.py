@@ -35,9 +35,10 @@ from fedfm.baselines import (
     run_full_finetune,
     trainable_parameters,
 )
-from fedfm.crypto import get_backend
+from fedfm.crypto import CryptoBackend, get_backend
 from fedfm.crypto.params import CKKS_8192
 from fedfm.errors import ConfigError
+from fedfm.models.fhe_vit import FheViT
 from fedfm.observed import BlockTraffic, DrawnBatches, ObservedRun, run_observed
 from fedfm.pipeline import DistillRun, load_data, obtain_student
 from fedfm.protocols.double_blind.client import ClientData
@@ -402,6 +403,22 @@ def _note(name: str) -> tuple[str, str]:
     return texts.get(what, name), "R^2"
 
 
+def _curious_run(
+    student: FheViT,
+    datasets: Sequence[ClientData],
+    config: DoubleBlindConfig,
+    backend: CryptoBackend,
+    log: Callable[[str], None],
+) -> tuple[list[attacks.CuriousClient], ObservedRun]:
+    """Run the protocol with every client that has enough data curious (it keeps its view)."""
+    clients = [
+        attacks.CuriousClient(node, backend)
+        for node, data in enumerate(datasets)
+        if min(len(data.eval_labels), len(data.train_labels)) >= config.batch_size
+    ]
+    return clients, run_observed(student, datasets, config, observers=clients, log=log)
+
+
 def run_extraction_benchmark(
     run: DistillRun,
     config: DoubleBlindConfig,
@@ -423,13 +440,7 @@ def run_extraction_benchmark(
     rows = []
     for permute in (False, True):
         run_config = replace(config, permute=permute)
-        clients = [attacks.CuriousClient(node, backend) for node in range(len(datasets))]
-        clients = [
-            client
-            for client, data in zip(clients, datasets, strict=True)
-            if min(len(data.eval_labels), len(data.train_labels)) >= config.batch_size
-        ]
-        observed = run_observed(student, datasets, run_config, observers=clients, log=log)
+        clients, observed = _curious_run(student, datasets, run_config, backend, log)
         metrics = extraction_metrics(
             observed.server.num_blocks,
             datasets,
@@ -524,13 +535,7 @@ def run_reveal_benchmark(
         ours = replace(config, reveal=reveal)
         result = run_adaptation("ours", student, splits, ours, federation)
         curious = replace(ours, rounds=extraction_rounds)
-        clients = [attacks.CuriousClient(node, backend) for node in range(len(datasets))]
-        clients = [
-            client
-            for client, data in zip(clients, datasets, strict=True)
-            if min(len(data.eval_labels), len(data.train_labels)) >= config.batch_size
-        ]
-        observed = run_observed(student, datasets, curious, observers=clients, log=log)
+        clients, observed = _curious_run(student, datasets, curious, backend, log)
         metrics = extraction_metrics(
             len(shown), datasets, curious, clients, observed.server.drawn, mlp=False
         )

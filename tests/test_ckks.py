@@ -314,6 +314,9 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
         assert row["refreshes"] > 0 and row["round_trips"] == row["refreshes"] + 1
         assert row["error_over_range"] < 1e-3 and row["bytes_per_sample_per_block"] > 0
         assert row["seconds_per_block_deployment"] > row["seconds_per_block_simulation"]
+    spent = report["server_seconds_by_operation"]["4"]
+    assert {"rotations", "plaintext products", "ciphertext products", "refresh masks"} <= set(spent)
+    assert sum(spent.values()) <= rows[-1]["server_seconds"]
     forward = report["forward_pass"]
     assert forward["predictions_agree"] == forward["samples"] == 3
     with pytest.raises(ConfigError, match="not 'simulate'"):

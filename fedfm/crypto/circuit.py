@@ -24,7 +24,10 @@ iteration.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,31 @@ class CircuitStats:
     products: int = 0
     plain_products: int = 0
     places: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timing(self, what: str) -> Iterator[None]:
+        """Add the time spent inside the block to ``seconds[what]`` (where the time goes)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - started
+
+
+def _timed(category: str) -> Any:
+    """Count the time a method of a :class:`Circuit` (or :class:`ProductSum`) takes."""
+
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            circuit = self if isinstance(self, Circuit) else self.circuit
+            with circuit.stats.timing(category):
+                return method(self, *args, **kwargs)
+
+        return timed
+
+    return wrap
 
 
 class Circuit:
@@ -96,17 +124,19 @@ class Circuit:
     def refresh(self, cts: list[Ciphertext], place: str) -> Work[list[Ciphertext]]:
         """Masked client-assisted refresh of ``cts`` (one round trip)."""
         masked, masks = [], []
-        for ct in cts:
-            hidden, mask = self.refresher.mask(ct)
-            masked.append(hidden)
-            masks.append(mask)
+        with self.stats.timing("refresh masks"):
+            for ct in cts:
+                hidden, mask = self.refresher.mask(ct)
+                masked.append(hidden)
+                masks.append(mask)
         fresh = yield masked
         if len(fresh) != len(cts):
             raise ProtocolError(f"refresh returned {len(fresh)} ciphertexts for {len(cts)}")
         self.stats.refreshes += 1
         self.stats.refreshed_ciphertexts += len(cts)
         self.stats.places.append(f"{place}:{len(cts)}")
-        return [self.refresher.unmask(ct, mask) for ct, mask in zip(fresh, masks, strict=True)]
+        with self.stats.timing("refresh masks"):
+            return [self.refresher.unmask(ct, mask) for ct, mask in zip(fresh, masks, strict=True)]
 
     def ensure(
         self, tensors: list[list[Ciphertext]], levels: int, place: str
@@ -175,6 +205,7 @@ class Circuit:
     def negate(self, ct: Ciphertext) -> Ciphertext:
         return self._out(self.evaluator.negate, ct)
 
+    @_timed("plaintext products")
     def weighted_sum(
         self, terms: Sequence[tuple[Ciphertext, float]], bias: float = 0.0
     ) -> Ciphertext:
@@ -197,6 +228,7 @@ class Circuit:
         total = self._rescale(total)
         return self.add_scalar(total, bias) if bias else total
 
+    @_timed("plaintext products")
     def masked_sum(self, terms: Sequence[tuple[Ciphertext, Any, np.ndarray]]) -> Ciphertext:
         """``sum_i x_i * m_i`` for plaintext slot vectors ``m_i`` (cached by key; one level)."""
         terms = [term for term in terms if np.any(term[2])]
@@ -247,6 +279,7 @@ class Circuit:
             )
         self._steps = sorted(set(steps))
 
+    @_timed("rotations")
     def rotate(self, ct: Ciphertext, steps: int) -> Ciphertext:
         """``ct`` rotated left by ``steps`` slots (right if negative), composing keyed steps."""
         if steps == 0:
@@ -276,6 +309,7 @@ class ProductSum:
         self.circuit = circuit
         self.total: Ciphertext | None = None
 
+    @_timed("ciphertext products")
     def add(self, a: Ciphertext, b: Ciphertext) -> None:
         circuit = self.circuit
         operands = [a, b] if self.total is None else [a, b, self.total]
@@ -290,6 +324,7 @@ class ProductSum:
             circuit.evaluator.add_inplace(total, product)
             self.total = total
 
+    @_timed("ciphertext products")
     def result(self) -> Ciphertext:
         if self.total is None:
             raise ProtocolError("internal: an empty product sum")

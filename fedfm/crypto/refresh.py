@@ -212,7 +212,21 @@ def sample_uniform_mask(
     return np.stack(limbs)
 
 
-class RefreshServer:
+class _OnChain:
+    """Shared by both sides: the levels a refresh goes between."""
+
+    _chain: _Chain
+
+    @property
+    def refresh_parms_id(self) -> ParmsId:
+        return self._chain.refresh_parms_id
+
+    @property
+    def top_parms_id(self) -> ParmsId:
+        return self._chain.top_parms_id
+
+
+class RefreshServer(_OnChain):
     """The evaluating party's side: masks ciphertexts and unmasks refreshed ones.
 
     Parameters
@@ -268,14 +282,6 @@ class RefreshServer:
         self._evaluator = sealapi.Evaluator(seal_context)
         self._encryptor = sealapi.Encryptor(seal_context, context.public_key().data)
         self._io = SealIO(seal_context)
-
-    @property
-    def refresh_parms_id(self) -> ParmsId:
-        return self._chain.refresh_parms_id
-
-    @property
-    def top_parms_id(self) -> ParmsId:
-        return self._chain.top_parms_id
 
     @property
     def mask_bits(self) -> int:
@@ -344,7 +350,7 @@ class RefreshServer:
         return result
 
 
-class RefreshClient:
+class RefreshClient(_OnChain):
     """The key owner's side: decrypts masked ciphertexts and re-encrypts them at the top level.
 
     Not thread-safe (one scratch file per instance).
@@ -359,14 +365,6 @@ class RefreshClient:
         self._decryptor = sealapi.Decryptor(seal_context, secret_key)
         self._encryptor = sealapi.Encryptor(seal_context, secret_key)
         self._io = SealIO(seal_context)
-
-    @property
-    def refresh_parms_id(self) -> ParmsId:
-        return self._chain.refresh_parms_id
-
-    @property
-    def top_parms_id(self) -> ParmsId:
-        return self._chain.top_parms_id
 
     def _unwrap(self, masked: MaskedCiphertext | Ciphertext) -> Ciphertext:
         ciphertext = masked.ciphertext if isinstance(masked, MaskedCiphertext) else masked
