@@ -27,7 +27,7 @@ from torch import nn
 from fedfm.approx.evaluate import evaluate_inv_sqrt, evaluate_inverse, polyval
 from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax
 from fedfm.crypto.backend import Work
-from fedfm.crypto.benes import benes_layers, drop_identity_layers, pad_permutation
+from fedfm.crypto.benes import SwapLayer, benes_layers, drop_identity_layers, pad_permutation
 from fedfm.crypto.circuit import Ciphertext, Circuit, ProductSum, evaluate_traced, symbol
 from fedfm.crypto.packing import SlotLayout
 from fedfm.errors import ModelError, ProtocolError
@@ -415,12 +415,12 @@ def permute(
     state: list[list[Ciphertext | None]] = [
         list(feature) + [None] * (count - len(feature)) for feature in x
     ]
-    for number, layer in enumerate(layers):
+    for layer in layers:
         live = [ct for feature in state for ct in feature if ct is not None]
         (fresh,) = yield from circuit.ensure([live], 1, "permute")
         iterator = iter(fresh)
         state = [[next(iterator) if ct is not None else None for ct in f] for f in state]
-        state = [_swap_layer(circuit, layout, feature, layer, number) for feature in state]
+        state = [_swap_layer(circuit, layout, feature, layer) for feature in state]
     kept = layout.ciphertexts_for(chosen.size)
     out = [feature[:kept] for feature in state]
     stray = full[chosen.size : kept * capacity]
@@ -444,11 +444,11 @@ def _swap_layer(
     circuit: Circuit,
     layout: SlotLayout,
     feature: list[Ciphertext | None],
-    layer: object,
-    number: int,
+    layer: SwapLayer,
 ) -> list[Ciphertext | None]:
-    distance: int = layer.distance  # type: ignore[attr-defined]
-    swap: np.ndarray = layer.swap  # type: ignore[attr-defined]
+    """One Benes stage on one feature's ciphertexts: pairs ``(p, p + distance)`` swap where
+    ``layer.swap[p]``; within a ciphertext by rotations, across ciphertexts by masks alone."""
+    distance, swap = layer.distance, layer.swap
     capacity, count = layout.capacity, len(feature)
     low = np.zeros(count * capacity, dtype=bool)
     low[: swap.size] = swap
