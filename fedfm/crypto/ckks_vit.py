@@ -17,6 +17,7 @@ whose input came out of another block.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -154,11 +155,10 @@ def embed(
     hidden = linear(circuit, projection, patches)
     per_token = np.broadcast_to(position, (samples, *position.shape))
     slots = layout.pack(np.ascontiguousarray(per_token)) * layout.occupied(samples)[None]
+    # cached plaintexts are keyed by value (an object id could be reused by another model)
+    key = hashlib.sha256(slots.tobytes()).hexdigest()
     return [
-        [
-            circuit.add_vector(ct, ("embed", id(model), samples, f, c), slots[f, c])
-            for c, ct in enumerate(feature)
-        ]
+        [circuit.add_vector(ct, ("embed", key, f, c), slots[f, c]) for c, ct in enumerate(feature)]
         for f, feature in enumerate(hidden)
     ]
 
@@ -194,8 +194,8 @@ def layer_norm(
         [
             circuit.masked_sum(
                 [
-                    (x[i][c], ("ln", id(norm), "x", *mask_key, c), mask[c] * centring),
-                    (totals[c], ("ln", id(norm), "mean", *mask_key, c), mask[c] * -centring / dim),
+                    (x[i][c], ("ln", centring, *mask_key, c), mask[c] * centring),
+                    (totals[c], ("ln", -centring / dim, *mask_key, c), mask[c] * -centring / dim),
                 ]
             )
             for c in range(count)
