@@ -201,8 +201,10 @@ def run_ckks_benchmark(
     model = load_student(student_path).eval()
     if not 0 <= block < model.num_blocks:
         raise ConfigError(f"block must be in 0..{model.num_blocks - 1}, got {block}")
+    if not batch_sizes or min(batch_sizes) < 1 or forward_batch < 0:
+        raise ConfigError(f"batch sizes must be >= 1, got {list(batch_sizes)} and {forward_batch}")
     splits, _ = load_data(run)
-    if max(batch_sizes) > len(splits.test):
+    if max(batch_sizes, default=0) > len(splits.test) or forward_batch > len(splits.test):
         raise ConfigError(
             f"batch sizes up to {len(splits.test)} (the test split), got {batch_sizes}"
         )

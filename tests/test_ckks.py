@@ -321,3 +321,5 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
     assert forward["predictions_agree"] == forward["samples"] == 3
     with pytest.raises(ConfigError, match="not 'simulate'"):
         run_ckks_benchmark(run, backend_name="simulate", results_dir=tmp_path)
+    with pytest.raises(ConfigError, match="batch sizes must be >= 1"):
+        run_ckks_benchmark(run, backend_name="ckks-8192", batch_sizes=(0,))
