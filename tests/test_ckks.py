@@ -282,21 +282,14 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
     """The benchmark on a micro student: one block per batch size and a full forward pass."""
     import json
 
+    from conftest import save_micro_student
+
     from fedfm.bench_ckks import run_ckks_benchmark
-    from fedfm.models import ModelSpec
-    from fedfm.pipeline import ApproxSettings, DistillRun, load_data, save_student
+    from fedfm.pipeline import DistillRun, load_data
 
     run = DistillRun(model="vit_fedfm_micro", image_size=8, max_samples=60, workdir=tmp_path)
     splits, _ = load_data(run)
-    torch.manual_seed(0)
-    spec = ModelSpec("vit_fedfm_micro", 10, 8)
-    vit = spec.build()
-    with torch.no_grad():  # keep the class token inside LayerNorm's domain (see `tiny`)
-        vit.pos_embed.normal_(0.0, 0.5)
-        vit.cls_token.normal_(0.0, 1.0)
-    student = to_fhe_friendly(vit, ApproxSettings().build())
-    calibrate(student, [splits.aux.images])
-    save_student(tmp_path / "student.pt", student, spec, ApproxSettings())
+    save_micro_student(tmp_path, splits)
     rows = run_ckks_benchmark(
         run,
         backend_name="ckks-8192",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tenseal as ts
 import torch
+from conftest import save_micro_student
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import (
@@ -27,7 +28,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedfm.approx import calibrate
-from fedfm.approx.modules import clamped_count, reset_clamped
 from fedfm.crypto import SimulateBackend
 from fedfm.data import load_splits
 from fedfm.errors import ConfigError, ProtocolError
@@ -535,22 +535,8 @@ def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir
 @pytest.fixture(scope="module")
 def micro_student_dir(tmp_path_factory) -> Path:
     """An untrained, calibrated two-block micro student on 8x8 digits (5 tokens)."""
-    folder = tmp_path_factory.mktemp("micro")
     splits = load_splits("digits", image_size=8, max_samples=120, seed=0)
-    torch.manual_seed(0)
-    spec = ModelSpec("vit_fedfm_micro", 10, 8)
-    vit = spec.build()
-    with torch.no_grad():  # timm's tiny initial class token would leave LayerNorm's domain
-        vit.pos_embed.normal_(0.0, 0.5)
-        vit.cls_token.normal_(0.0, 1.0)
-    student = to_fhe_friendly(vit, ApproxSettings().build())
-    calibrate(student, [splits.aux.images])
-    reset_clamped(student)
-    with torch.no_grad():
-        student(splits.pool.images)
-    assert clamped_count(student) == 0  # so CKKS and simulate evaluate the same polynomials
-    save_student(folder / "student.pt", student, spec, ApproxSettings())
-    return folder
+    return save_micro_student(tmp_path_factory.mktemp("micro"), splits)
 
 
 @pytest.mark.slow
