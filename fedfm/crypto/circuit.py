@@ -36,6 +36,8 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 
 from fedfm.crypto.backend import Work
+from fedfm.crypto.rns_linear import linear_map
+from fedfm.crypto.seal_raw import SealIO
 from fedfm.errors import CryptoParameterError, ProtocolError
 
 Ciphertext = Any  # sealapi.Ciphertext (TenSEAL registers it under its own module)
@@ -95,6 +97,7 @@ class Circuit:
         self.stats = CircuitStats()
         self._vectors: dict[tuple[Any, ...], Any] = {}
         self._steps: list[int] = []
+        self._io: SealIO | None = None
 
     # -- levels ----------------------------------------------------------------------------------
     def headroom(self, ct: Ciphertext) -> int:
@@ -227,6 +230,29 @@ class Circuit:
         self.stats.plain_products += len(kept)
         total = self._rescale(total)
         return self.add_scalar(total, bias) if bias else total
+
+    @_timed("plaintext products")
+    def linear(
+        self, cts: Sequence[Ciphertext], weight: np.ndarray, bias: np.ndarray
+    ) -> list[Ciphertext]:
+        """``[sum_i weight[o, i] cts[i] + bias[o] for o]`` (one level) as exact integer matrix
+        products in BLAS (:mod:`fedfm.crypto.rns_linear`) instead of one SEAL product per weight.
+        """
+        weight = np.asarray(weight, dtype=np.float64)
+        if not np.all(np.any(weight != 0, axis=1)):
+            raise ProtocolError("a weighted sum with all weights zero has no ciphertext result")
+        cts = self.align(list(cts))
+        for ct in cts:
+            self._require(ct)
+        if self._io is None:
+            self._io = SealIO(self.seal)
+        products = linear_map(self._io, self.seal, cts, weight)
+        self.stats.plain_products += weight.size
+        out = []
+        for product, offset in zip(products, np.asarray(bias, dtype=np.float64), strict=True):
+            product = self._rescale(product)
+            out.append(self.add_scalar(product, float(offset)) if offset else product)
+        return out
 
     @_timed("plaintext products")
     def masked_sum(self, terms: Sequence[tuple[Ciphertext, Any, np.ndarray]]) -> Ciphertext:

@@ -103,17 +103,11 @@ def linear(circuit: Circuit, layer: Linear, x: Tensor) -> Tensor:
     """Each output feature as a weighted sum of the input features (one level, no rotation)."""
     if len(x) != layer.weight.shape[1]:
         raise ProtocolError(f"linear layer expects {layer.weight.shape[1]} features, got {len(x)}")
-    count = len(x[0])
-    return [
-        [
-            circuit.weighted_sum(
-                [(x[i][c], float(layer.weight[o, i])) for i in range(len(x))],
-                float(layer.bias[o]),
-            )
-            for c in range(count)
-        ]
-        for o in range(layer.weight.shape[0])
+    per_ciphertext = [
+        circuit.linear([feature[c] for feature in x], layer.weight, layer.bias)
+        for c in range(len(x[0]))
     ]
+    return [list(outputs) for outputs in zip(*per_ciphertext, strict=True)]
 
 
 def _flat(tensor: Tensor) -> list[Ciphertext]:
