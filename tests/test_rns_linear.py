@@ -59,9 +59,7 @@ def test_circuit_linear_matches_seal_products_and_plaintext() -> None:
     assert len(primes_of(seal_context, cts[0].parms_id())) == len(params.coeff_mod_bit_sizes) - 1
 
     fast = circuit.linear(cts, weight, bias)
-    slow = [
-        circuit.weighted_sum(list(zip(cts, weight[o], strict=True)), bias[o]) for o in range(4)
-    ]
+    slow = [circuit.weighted_sum(list(zip(cts, weight[o], strict=True)), bias[o]) for o in range(4)]
     expected = weight @ inputs + bias[:, None]
     for o in range(4):
         got_fast = _decrypt(context, fast[o])[:32]

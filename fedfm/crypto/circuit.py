@@ -126,20 +126,16 @@ class Circuit:
     # -- refreshes -------------------------------------------------------------------------------
     def refresh(self, cts: list[Ciphertext], place: str) -> Work[list[Ciphertext]]:
         """Masked client-assisted refresh of ``cts`` (one round trip)."""
-        masked, masks = [], []
         with self.stats.timing("refresh masks"):
-            for ct in cts:
-                hidden, mask = self.refresher.mask(ct)
-                masked.append(hidden)
-                masks.append(mask)
-        fresh = yield masked
-        if len(fresh) != len(cts):
-            raise ProtocolError(f"refresh returned {len(fresh)} ciphertexts for {len(cts)}")
+            pairs = self.refresher.mask_many(cts)
+        masks = [mask for _, mask in pairs]
+        fresh = yield [hidden for hidden, _ in pairs]
+        with self.stats.timing("refresh masks"):
+            out = self.refresher.unmask_many(fresh, masks)
         self.stats.refreshes += 1
         self.stats.refreshed_ciphertexts += len(cts)
         self.stats.places.append(f"{place}:{len(cts)}")
-        with self.stats.timing("refresh masks"):
-            return [self.refresher.unmask(ct, mask) for ct, mask in zip(fresh, masks, strict=True)]
+        return out
 
     def ensure(
         self, tensors: list[list[Ciphertext]], levels: int, place: str

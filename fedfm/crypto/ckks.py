@@ -38,6 +38,7 @@ import hashlib
 import logging
 import math
 import warnings
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,7 @@ from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.params import CKKS_16384, CkksParameters
 from fedfm.crypto.refresh import RefreshClient, RefreshServer
 from fedfm.crypto.seal_raw import SealIO, seal_bytes
+from fedfm.crypto.workers import configured_workers, discard_pool, refresh_blobs, shared_pool
 from fedfm.errors import CryptoParameterError, ProtocolError
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ NAME = "ckks"
 _LENGTH_BYTES = 8
 _FINGERPRINT_BYTES = 16
 _LOG = logging.getLogger(__name__)
+# Refreshes of fewer ciphertexts than this stay in-process.
+MIN_PARALLEL_REFRESH = 8
 
 
 def _proto_bytes_field(number: int, value: bytes) -> bytes:
@@ -297,7 +301,11 @@ class CkksKeyOwner(KeyOwner):
     backend = NAME
 
     def __init__(
-        self, context: ts.Context, public_context: bytes | None, geometry: ModelGeometry | None
+        self,
+        context: ts.Context,
+        public_context: bytes | None,
+        geometry: ModelGeometry | None,
+        workers: int = 0,
     ) -> None:
         if not context.is_private():
             raise CryptoParameterError("a CKKS key owner needs a context with its secret key")
@@ -311,6 +319,7 @@ class CkksKeyOwner(KeyOwner):
         self._packing = _Packing(self._encoder.slot_count(), geometry)
         self._refresher = RefreshClient(context)
         self._io = SealIO(self._seal)
+        self._workers = workers
 
     def public_context(self) -> bytes:
         """The evaluation context for the server (only on the owner that created the keys)."""
@@ -355,9 +364,29 @@ class CkksKeyOwner(KeyOwner):
         return _load(payload, self._io, self.fingerprint, top_only=False)
 
     def refresh(self, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        masked = _load_list(payload, self._io, self.fingerprint)
+        parts = _split_checked(payload, self.fingerprint)
+        # a worker start costs more than a small refresh
+        pool = shared_pool(self._workers) if len(parts) >= MIN_PARALLEL_REFRESH else None
+        if pool is not None:
+            try:
+                fresh_parts = pool.map_chunks(refresh_blobs, self._worker_context, parts)
+                return _list_payload(fresh_parts, self.fingerprint)
+            except BrokenProcessPool as error:
+                _LOG.warning("refresh workers failed (%s); refreshing in-process", error)
+                discard_pool()
+        masked = [self._io.load_ciphertext(part) for part in parts]
         fresh = self._refresher.refresh_many(masked)
         return _list_payload([seal_bytes(ct) for ct in fresh], self.fingerprint)
+
+    @cached_property
+    def _worker_context(self) -> bytes:
+        """The secret key context for refresh workers (no evaluation keys: small)."""
+        return self._context.serialize(
+            save_public_key=False,
+            save_secret_key=True,
+            save_galois_keys=False,
+            save_relin_keys=False,
+        )
 
     def secret_state(self) -> dict[str, np.ndarray]:
         private = self._context.serialize(
@@ -403,12 +432,17 @@ def _checked_blob(payload: dict[str, np.ndarray], fingerprint: bytes, *names: st
     return data
 
 
-def _load_list(payload: dict[str, np.ndarray], io: SealIO, fingerprint: bytes) -> list[Any]:
+def _split_checked(payload: dict[str, np.ndarray], fingerprint: bytes) -> list[bytes]:
+    """The SEAL bytes of a list payload, after its key, digest and count are checked."""
     data = _checked_blob(payload, fingerprint, "count")
     parts = _split(data)
     if len(parts) != int(payload["count"][0]):
         raise ProtocolError(f"CKKS payload holds {len(parts)} ciphertexts, says {payload['count']}")
-    return [io.load_ciphertext(part) for part in parts]
+    return parts
+
+
+def _load_list(payload: dict[str, np.ndarray], io: SealIO, fingerprint: bytes) -> list[Any]:
+    return [io.load_ciphertext(part) for part in _split_checked(payload, fingerprint)]
 
 
 def _load(
@@ -449,6 +483,7 @@ class CkksEvaluator(Evaluator):
         public_context: bytes,
         params: CkksParameters,
         geometry: ModelGeometry | None,
+        workers: int = 0,
     ) -> None:
         context = _context_from(public_context, "public context")
         if context.is_private():
@@ -458,7 +493,8 @@ class CkksEvaluator(Evaluator):
             raise CryptoParameterError("public context lacks relinearization keys")
         self.params = params
         self.fingerprint = _fingerprint(context)
-        self.circuit = Circuit(context, RefreshServer(context))
+        refresher = RefreshServer(context, workers=workers)
+        self.circuit = Circuit(context, refresher)
         self._packing = _Packing(self.circuit.slots, geometry)
         self.layout = self._packing.hidden
         self.circuit.declare_steps(self.layout.rotation_steps())
@@ -563,6 +599,9 @@ class CkksBackend(CryptoBackend):
         TenSEAL 0.3.18, enforces the same bound itself, so key generation still fails.
     name : str
         The name this backend is registered under (``ckks``, ``ckks-8192``).
+    workers : int, optional
+        Processes for refreshes and mask material (:mod:`fedfm.crypto.workers`); default
+        ``$FEDFM_CKKS_WORKERS`` or the number of cores; ``0`` or ``1`` keep it in-process.
     """
 
     def __init__(
@@ -571,6 +610,7 @@ class CkksBackend(CryptoBackend):
         *,
         allow_insecure: bool = False,
         name: str = NAME,
+        workers: int | None = None,
     ) -> None:
         if allow_insecure and not params.secure_128:
             message = (
@@ -588,6 +628,7 @@ class CkksBackend(CryptoBackend):
             )
         self.params = params
         self.name = name  # the registered name, so logs and results say which parameter set ran
+        self.workers = configured_workers(workers)
 
     def create_key_owner(
         self, *, seed: int | None = None, geometry: ModelGeometry | None = None
@@ -611,7 +652,7 @@ class CkksBackend(CryptoBackend):
         steps = SlotLayout.for_tokens(
             self.params.slots, 1 if geometry is None else geometry.tokens
         ).rotation_steps()
-        return CkksKeyOwner(context, _public_context(context, steps), geometry)
+        return CkksKeyOwner(context, _public_context(context, steps), geometry, self.workers)
 
     def restore_key_owner(self, state: dict[str, np.ndarray]) -> CkksKeyOwner:
         try:
@@ -620,9 +661,9 @@ class CkksBackend(CryptoBackend):
             raise CryptoParameterError(f"CKKS key owner state lacks {error}") from None
         context = _context_from(private.astype(np.uint8).tobytes(), "key owner state")
         _check_parameters(context, self.params)
-        return CkksKeyOwner(context, None, geometry)
+        return CkksKeyOwner(context, None, geometry, self.workers)
 
     def create_evaluator(
         self, public_context: bytes, geometry: ModelGeometry | None = None
     ) -> CkksEvaluator:
-        return CkksEvaluator(public_context, self.params, geometry)
+        return CkksEvaluator(public_context, self.params, geometry, self.workers)

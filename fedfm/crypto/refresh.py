@@ -50,9 +50,13 @@ The ``rng`` argument (a NumPy ``Generator``) exists for reproducible tests only.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +67,7 @@ import tenseal.sealapi as sealapi
 from fedfm.crypto.seal_raw import (
     MixedRadix,
     ParmsId,
+    RawPlaintext,
     SealIO,
     addmod,
     context_data,
@@ -71,7 +76,10 @@ from fedfm.crypto.seal_raw import (
     seal_bytes,
     submod,
 )
+from fedfm.crypto.workers import WorkerPool, discard_pool, mask_material_blobs, shared_pool
 from fedfm.errors import CryptoParameterError, ProtocolError
+
+_LOG = logging.getLogger(__name__)
 
 # The mask must hide a unit slot value at the context's scale to this many bits per coefficient.
 MIN_HIDING_BITS = 40
@@ -100,15 +108,31 @@ class MaskedCiphertext:
 
 
 @dataclass(frozen=True, eq=False)
-class RefreshMask:
-    """Kept by the server: the mask ``r`` and the scale the refreshed ciphertext must carry.
+class MaskMaterial:
+    """One refresh's worth of mask, made before any data is seen (so it can be made ahead).
 
-    ``limbs`` holds ``r`` exactly as its residues modulo every data prime of the top level
-    (``uint64``, shape (k_top, N), read-only); since ``|r| <= B`` is far below half the top
-    modulus, the residues determine ``r``. Rows 0 and 1 are ``r`` modulo ``q0`` and ``q1``.
+    ``offset`` is ``Enc_pk(0) + (r, 0)`` at the refresh level, ``negated`` is ``-r`` in NTT form
+    at the top level (a plaintext). Each piece is used for one ciphertext, then dropped.
     """
 
-    limbs: np.ndarray
+    offset: sealapi.Ciphertext
+    negated: sealapi.Plaintext
+
+    def to_bytes(self) -> tuple[bytes, bytes]:
+        """SEAL bytes of both parts (to hand material from a worker process to the server)."""
+        return seal_bytes(self.offset), seal_bytes(self.negated)
+
+    @classmethod
+    def from_bytes(cls, io: SealIO, parts: tuple[bytes, bytes]) -> MaskMaterial:
+        return cls(io.load_ciphertext(parts[0]), io.load_plaintext(parts[1]))
+
+
+@dataclass(frozen=True, eq=False)
+class RefreshMask:
+    """Kept by the server between masking and unmasking: ``-r`` (NTT form, top level) and the
+    scale the refreshed ciphertext must carry."""
+
+    negated: sealapi.Plaintext
     scale: float
     parms_id: ParmsId  # the top level, where the mask is removed
 
@@ -237,6 +261,9 @@ class RefreshServer(_OnChain):
         ``log2 B``; default and maximum ``bits(q0 q1) - 3`` (so ``B <= q0 q1 / 4``).
     rng : numpy.random.Generator, optional
         Deterministic mask source for tests only (not secure); default ``os.urandom``.
+    workers : int
+        With ``2`` or more, the process's worker pool (:mod:`fedfm.crypto.workers`) makes mask
+        material ahead of time (:meth:`mask_many` takes it) while the server evaluates.
 
     Not thread-safe (one scratch file per instance).
     """
@@ -247,6 +274,7 @@ class RefreshServer(_OnChain):
         *,
         mask_bits: int | None = None,
         rng: np.random.Generator | None = None,
+        workers: int = 0,
     ) -> None:
         if context.is_private():
             raise CryptoParameterError(
@@ -282,11 +310,24 @@ class RefreshServer(_OnChain):
         self._evaluator = sealapi.Evaluator(seal_context)
         self._encryptor = sealapi.Encryptor(seal_context, context.public_key().data)
         self._io = SealIO(seal_context)
+        self.public_context_bytes = context.serialize(
+            save_public_key=True,
+            save_secret_key=False,
+            save_galois_keys=False,
+            save_relin_keys=False,
+        )
+        pool = None if rng is not None else shared_pool(workers)
+        self._supply = None if pool is None else _MaskSupply(self, pool)
 
     @property
     def mask_bits(self) -> int:
         """``log2 B``: mask coefficients are uniform in ``[-B, B]``."""
         return self._mask_bits
+
+    @property
+    def worker_material(self) -> int:
+        """Pieces of mask material the worker process made so far (0 without a worker)."""
+        return 0 if self._supply is None else self._supply.supplied
 
     def statistical_distance_bound(self, value_bound: float, scale: float) -> float:
         """Per-coefficient statistical distance of the client's view from the mask alone.
@@ -301,8 +342,42 @@ class RefreshServer(_OnChain):
         """Statistical distance for the whole polynomial (N coefficients): ``N`` times the above."""
         return min(1.0, self._chain.degree * self.statistical_distance_bound(value_bound, scale))
 
-    def mask(self, ciphertext: Ciphertext) -> tuple[MaskedCiphertext, RefreshMask]:
-        """Mask ``ciphertext`` for the client; keep the returned mask to :meth:`unmask` later."""
+    def prepare(self) -> MaskMaterial:
+        """Fresh mask material: a new ``r`` and a new encryption of zero (no data involved)."""
+        chain = self._chain
+        limbs = sample_uniform_mask(
+            chain.degree, self._mask_bits, chain.top_primes, self._random_bytes
+        )
+        offset = sealapi.Ciphertext(chain.seal_context)
+        self._encryptor.encrypt_zero(list(chain.refresh_parms_id), offset)
+        self._io.add_coefficients_inplace(offset, limbs[:2])
+        negated = np.stack(
+            [
+                submod(np.zeros_like(row), row, p)
+                for row, p in zip(limbs, chain.top_primes, strict=True)
+            ]
+        )
+        ntt = self._io.to_ntt(chain.top_parms_id, negated[None])[0]
+        negated_plain = self._io.write_plaintext(RawPlaintext(chain.top_parms_id, 1.0, ntt))
+        return MaskMaterial(offset, negated_plain)
+
+    def mask_many(
+        self, ciphertexts: Sequence[Ciphertext]
+    ) -> list[tuple[MaskedCiphertext, RefreshMask]]:
+        """:meth:`mask` for several ciphertexts, with material made ahead by the worker if any."""
+        supply = self._supply
+        materials = [None] * len(ciphertexts) if supply is None else supply.take(len(ciphertexts))
+        return [
+            self.mask(ct, material) for ct, material in zip(ciphertexts, materials, strict=True)
+        ]
+
+    def mask(
+        self, ciphertext: Ciphertext, material: MaskMaterial | None = None
+    ) -> tuple[MaskedCiphertext, RefreshMask]:
+        """Mask ``ciphertext`` for the client; keep the returned mask to :meth:`unmask` later.
+
+        ``material`` (from :meth:`prepare`, possibly in another process) is used once.
+        """
         chain = self._chain
         chain.check_shape(ciphertext, "a ciphertext to refresh")
         level = chain.level_of(ciphertext)
@@ -311,18 +386,26 @@ class RefreshServer(_OnChain):
                 f"ciphertext at {chain.describe(level)} is below the refresh level "
                 f"({chain.describe(1)}): it has no room for the mask; refresh before it gets there"
             )
+        material = material or self.prepare()
         masked = sealapi.Ciphertext(chain.seal_context)
         self._evaluator.mod_switch_to(ciphertext, list(chain.refresh_parms_id), masked)
-        zero = sealapi.Ciphertext(chain.seal_context)
-        self._encryptor.encrypt_zero(list(chain.refresh_parms_id), zero)
-        zero.scale = masked.scale  # an encryption of zero has scale 1; SEAL checks they match
-        self._evaluator.add_inplace(masked, zero)
-        limbs = sample_uniform_mask(
-            chain.degree, self._mask_bits, chain.top_primes, self._random_bytes
-        )
-        self._io.add_coefficients_inplace(masked, limbs[:2])
-        limbs.setflags(write=False)
-        return MaskedCiphertext(masked), RefreshMask(limbs, masked.scale, chain.top_parms_id)
+        # an encryption of zero has scale 1; SEAL checks that the scales of a sum match
+        material.offset.scale = masked.scale
+        self._evaluator.add_inplace(masked, material.offset)
+        mask = RefreshMask(material.negated, masked.scale, chain.top_parms_id)
+        return MaskedCiphertext(masked), mask
+
+    def unmask_many(
+        self, fresh: Sequence[Ciphertext], masks: Sequence[RefreshMask]
+    ) -> list[sealapi.Ciphertext]:
+        """:meth:`unmask` for several ciphertexts; then the worker makes the next material
+        (while the server computes, not while the client refreshes on the same machine)."""
+        if len(fresh) != len(masks):
+            raise ProtocolError(f"refresh returned {len(fresh)} ciphertexts for {len(masks)}")
+        out = [self.unmask(ct, mask) for ct, mask in zip(fresh, masks, strict=True)]
+        if self._supply is not None:
+            self._supply.top_up()
+        return out
 
     def unmask(self, fresh: Ciphertext, mask: RefreshMask) -> sealapi.Ciphertext:
         """Subtract ``mask`` from the client's fresh top-level ciphertext (a new ciphertext)."""
@@ -338,16 +421,63 @@ class RefreshServer(_OnChain):
                 f"refreshed ciphertext has scale 2^{math.log2(fresh.scale):.6f}, but the mask was "
                 f"applied at scale 2^{math.log2(mask.scale):.6f}"
             )
-        negated = np.stack(
-            [
-                submod(np.zeros_like(row), row, p)
-                for row, p in zip(mask.limbs, chain.top_primes, strict=True)
-            ]
-        )
+        mask.negated.scale = fresh.scale
         result = sealapi.Ciphertext(chain.seal_context)
-        self._evaluator.mod_switch_to(fresh, list(chain.top_parms_id), result)  # a copy
-        self._io.add_coefficients_inplace(result, negated)
+        self._evaluator.add_plain(fresh, mask.negated, result)
         return result
+
+
+class _MaskSupply:
+    """Mask material made ahead by the worker pool, ``ahead`` pieces in flight or ready."""
+
+    def __init__(self, server: RefreshServer, pool: WorkerPool, ahead: int = 64) -> None:
+        self._public = server.public_context_bytes
+        self._server = server
+        self._workers: WorkerPool | None = pool
+        self._chunk = 16
+        self._ahead = ahead
+        self.supplied = 0  # pieces the worker made (the rest were made in-process)
+        self._ready: deque[MaskMaterial] = deque()
+        self._pending: deque[Future[list[tuple[bytes, bytes]]]] = deque()
+        self.top_up()
+
+    def top_up(self) -> None:
+        """Ask the worker for material until ``ahead`` pieces are ready or in flight."""
+        while self._workers is not None and (
+            len(self._ready) + self._chunk * len(self._pending) < self._ahead
+        ):
+            try:
+                self._pending.append(
+                    self._workers.submit(
+                        mask_material_blobs, self._public, self._server.mask_bits, self._chunk
+                    )
+                )
+            except BrokenProcessPool as error:
+                self._fail(error)
+
+    def take(self, count: int) -> list[MaskMaterial | None]:
+        """``count`` pieces of material; ``None`` (made on the spot) once the worker fails."""
+        out: list[MaskMaterial | None] = []
+        while len(out) < count:
+            if self._ready:
+                out.append(self._ready.popleft())
+            elif self._pending:
+                try:
+                    parts = self._pending.popleft().result()
+                except BrokenProcessPool as error:
+                    self._fail(error)
+                    continue
+                self._ready.extend(MaskMaterial.from_bytes(self._server._io, p) for p in parts)
+                self.supplied += len(parts)
+            else:
+                out.append(None)
+        return out
+
+    def _fail(self, error: BrokenProcessPool) -> None:
+        _LOG.warning("mask worker failed (%s); masks are made in-process", error)
+        discard_pool()
+        self._workers = None
+        self._pending.clear()
 
 
 class RefreshClient(_OnChain):

@@ -211,6 +211,13 @@ def _scratch_root() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def _remove_folder(folder: str, owner_pid: int) -> None:
+    # A forked worker inherits SealIO objects; collecting them there must not delete the
+    # parent's scratch folder.
+    if os.getpid() == owner_pid:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class SealIO:
     """Reads and writes SEAL objects of one context through a private scratch file.
 
@@ -221,7 +228,7 @@ class SealIO:
         self.seal_context = seal_context_of(context)
         self._folder = tempfile.mkdtemp(prefix="fedfm-seal-", dir=_scratch_root())
         self._path = str(Path(self._folder) / "object")
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self._folder, True)
+        self._finalizer = weakref.finalize(self, _remove_folder, self._folder, os.getpid())
         self._evaluator = sealapi.Evaluator(self.seal_context)
         self._guards: dict[ParmsId, sealapi.Ciphertext] = {}
 

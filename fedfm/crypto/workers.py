@@ -1,0 +1,147 @@
+"""Background processes for CKKS work, so that it uses every core.
+
+SEAL's Python bindings keep the GIL, so threads do not help; processes do. One pool per process
+(:func:`shared_pool`) serves every key in it (a simulation runs many data owners and the server's
+evaluators in one process): a job carries the serialized context it needs (public or secret,
+without rotation keys: up to a few MB), and each worker keeps the last few contexts it loaded.
+Two jobs use it: a data owner's refresh of a batch of masked ciphertexts (:func:`refresh_blobs`,
+split across the workers) and the server's mask material, made ahead of time because it depends
+on no data (:func:`mask_material_blobs`).
+
+Workers are forked (``fork``: no re-import of the caller's main script, as ``spawn`` would do;
+they only run SEAL and element-wise NumPy, not the parent's thread pools).
+
+How many workers: ``FEDFM_CKKS_WORKERS`` (an integer; ``0`` or ``1`` keep everything
+in-process), by default the number of cores. A pool that cannot start or breaks logs a warning
+and the work runs in-process, with the same results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+import tenseal as ts
+
+from fedfm.errors import ConfigError
+
+_LOG = logging.getLogger(__name__)
+WORKERS_VARIABLE = "FEDFM_CKKS_WORKERS"
+# Contexts a worker keeps loaded (data owners and evaluators it serves in turn).
+CONTEXTS_PER_WORKER = 4
+
+# In a worker: the objects built from recently used contexts, most recent last.
+_LOADED: OrderedDict[tuple[str, bytes, int], Any] = OrderedDict()
+# In the parent: the pool of this process and its size.
+_POOL: list[WorkerPool] = []
+
+
+def configured_workers(requested: int | None = None) -> int:
+    """Worker processes to use: ``requested``, else ``$FEDFM_CKKS_WORKERS``, else the cores."""
+    if requested is None:
+        raw = os.environ.get(WORKERS_VARIABLE, "").strip()
+        if not raw:
+            return os.cpu_count() or 1
+        try:
+            requested = int(raw)
+        except ValueError:
+            raise ConfigError(f"{WORKERS_VARIABLE}={raw!r} is not an integer") from None
+    if requested < 0:
+        raise ConfigError(f"CKKS worker count must be >= 0, got {requested}")
+    return requested
+
+
+def _loaded(role: str, context_bytes: bytes, mask_bits: int = 0) -> Any:
+    """``(io, refresher)`` for a context, built once per worker and kept while recently used."""
+    # Imported here: refresh.py imports this module.
+    from fedfm.crypto.refresh import RefreshClient, RefreshServer
+    from fedfm.crypto.seal_raw import SealIO
+
+    key = (role, hashlib.sha256(context_bytes).digest(), mask_bits)
+    if key in _LOADED:
+        _LOADED.move_to_end(key)
+        return _LOADED[key]
+    context = ts.context_from(context_bytes)
+    io = SealIO(context.seal_context().data)
+    if role == "client":
+        refresher: Any = RefreshClient(context)
+    else:
+        refresher = RefreshServer(context, mask_bits=mask_bits)
+    _LOADED[key] = (io, refresher)
+    while len(_LOADED) > CONTEXTS_PER_WORKER:
+        _LOADED.popitem(last=False)
+    return io, refresher
+
+
+def refresh_blobs(context_bytes: bytes, blobs: Sequence[bytes]) -> list[bytes]:
+    """In a worker: SEAL bytes of masked ciphertexts -> SEAL bytes of fresh ones."""
+    from fedfm.crypto.seal_raw import seal_bytes
+
+    io, client = _loaded("client", context_bytes)
+    fresh = client.refresh_many([io.load_ciphertext(blob) for blob in blobs])
+    return [seal_bytes(ct) for ct in fresh]
+
+
+def mask_material_blobs(
+    context_bytes: bytes, mask_bits: int, count: int
+) -> list[tuple[bytes, bytes]]:
+    """In a worker: ``count`` pieces of mask material as SEAL bytes."""
+    _, server = _loaded("server", context_bytes, mask_bits)
+    return [server.prepare().to_bytes() for _ in range(count)]
+
+
+class WorkerPool:
+    """``count`` forked worker processes (see the module docstring)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._executor = ProcessPoolExecutor(
+            max_workers=count, mp_context=multiprocessing.get_context("fork")
+        )
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
+        return self._executor.submit(function, *args)
+
+    def map_chunks(
+        self,
+        function: Callable[[bytes, Sequence[bytes]], list[bytes]],
+        context_bytes: bytes,
+        items: Sequence[bytes],
+    ) -> list[bytes]:
+        """``function(context_bytes, chunk)`` over one contiguous chunk of ``items`` per worker,
+        results in order."""
+        size = -(-len(items) // self.count)
+        chunks = [items[start : start + size] for start in range(0, len(items), size)]
+        futures = [self._executor.submit(function, context_bytes, chunk) for chunk in chunks]
+        return [item for future in futures for item in future.result()]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def shared_pool(count: int) -> WorkerPool | None:
+    """This process's pool of ``count`` workers (started on first use), or ``None`` if ``count``
+    is below 2 or the pool cannot start (the caller then works in-process)."""
+    if count < 2:
+        return None
+    if _POOL and _POOL[0].count == count:
+        return _POOL[0]
+    discard_pool()
+    try:
+        _POOL.append(WorkerPool(count))
+    except (OSError, RuntimeError) as error:
+        _LOG.warning("CKKS workers could not start (%s); working in-process", error)
+        return None
+    return _POOL[0]
+
+
+def discard_pool() -> None:
+    """Stop this process's pool (after it broke); the next :func:`shared_pool` starts anew."""
+    while _POOL:
+        _POOL.pop().close()

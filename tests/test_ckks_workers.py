@@ -1,0 +1,107 @@
+"""CKKS work in background processes: refresh workers, mask material made ahead, fallbacks."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedfm.crypto import CKKS_8192_REFRESH, ModelGeometry, run_locally, workers
+from fedfm.crypto.ckks import CkksBackend
+from fedfm.crypto.seal_raw import SealIO
+from fedfm.crypto.workers import WORKERS_VARIABLE, configured_workers, discard_pool
+from fedfm.errors import ConfigError
+
+GEOMETRY = ModelGeometry(tokens=5, patch_size=4)
+
+
+def test_worker_count_comes_from_the_argument_the_environment_or_the_cores(monkeypatch) -> None:
+    monkeypatch.delenv(WORKERS_VARIABLE, raising=False)
+    assert configured_workers() == (os.cpu_count() or 1)
+    assert configured_workers(3) == 3
+    monkeypatch.setenv(WORKERS_VARIABLE, "0")
+    assert configured_workers() == 0
+    monkeypatch.setenv(WORKERS_VARIABLE, "two")
+    with pytest.raises(ConfigError, match="not an integer"):
+        configured_workers()
+    with pytest.raises(ConfigError, match=">= 0"):
+        configured_workers(-1)
+
+
+def _parties(backend: CkksBackend) -> tuple[object, object]:
+    owner = backend.create_key_owner(geometry=GEOMETRY)
+    return owner, backend.create_evaluator(owner.public_context(), GEOMETRY)
+
+
+def _refresh_round_trip(owner, evaluator, values: np.ndarray) -> np.ndarray:
+    """Encrypt, mask every ciphertext, refresh through the owner, unmask, decrypt."""
+    batch = owner.encrypt(values)
+    cts = [ct for feature in batch.tensor for ct in feature]
+    fresh = run_locally(evaluator.circuit.refresh(cts, "test"), evaluator, owner)
+    count = len(batch.tensor[0])
+    tensor = [fresh[f * count : (f + 1) * count] for f in range(len(batch.tensor))]
+    return owner.decrypt(evaluator._batch(tensor, batch.shape, batch.copies))
+
+
+def test_workers_refresh_to_the_same_values_as_in_process(monkeypatch) -> None:
+    values = np.random.default_rng(0).normal(size=(6, 5, 12))
+    discard_pool()
+    owner, evaluator = _parties(CkksBackend(CKKS_8192_REFRESH, workers=0))
+    jobs = []
+    monkeypatch.setattr(workers.WorkerPool, "map_chunks", _spy(workers.WorkerPool.map_chunks, jobs))
+    in_process = _refresh_round_trip(owner, evaluator, values)
+    assert evaluator.circuit.refresher.worker_material == 0 and not workers._POOL and not jobs
+    owner, evaluator = _parties(CkksBackend(CKKS_8192_REFRESH, workers=2))
+    pooled = _refresh_round_trip(owner, evaluator, values)
+    # 12 ciphertexts: masks came from the worker pool, the refresh ran there too
+    assert evaluator.circuit.refresher.worker_material >= 12
+    assert len(jobs) == 1 and workers._POOL[0].count == 2
+    np.testing.assert_allclose(pooled, values, atol=1e-6)
+    np.testing.assert_allclose(in_process, values, atol=1e-6)
+    # a second data owner in the same process uses the same pool
+    other, other_evaluator = _parties(CkksBackend(CKKS_8192_REFRESH, workers=2))
+    pool = workers._POOL[0]
+    np.testing.assert_allclose(
+        _refresh_round_trip(other, other_evaluator, values), values, atol=1e-6
+    )
+    assert workers._POOL[0] is pool and len(jobs) == 2
+
+
+def _spy(method, calls: list):
+    def spied(self, *args):
+        calls.append(args)
+        return method(self, *args)
+
+    return spied
+
+
+def test_a_failed_worker_pool_falls_back_to_in_process(caplog) -> None:
+    values = np.random.default_rng(1).normal(size=(6, 5, 12))
+    owner, evaluator = _parties(CkksBackend(CKKS_8192_REFRESH, workers=2))
+    _refresh_round_trip(owner, evaluator, values)
+    for process in list(workers._POOL[0]._executor._processes.values()):
+        process.kill()
+        process.join()
+    # the refresh and the material ordered after the first refresh both meet the dead pool
+    np.testing.assert_allclose(_refresh_round_trip(owner, evaluator, values), values, atol=1e-6)
+    assert "refreshing in-process" in caplog.text
+    assert "masks are made in-process" in caplog.text
+    assert evaluator.circuit.refresher._supply._workers is None
+
+
+def _drop_in_child(io: SealIO) -> None:
+    del io  # collected in the forked child: must not remove the parent's folder
+
+
+def test_scratch_folders_survive_a_forked_child_that_drops_them() -> None:
+    io = SealIO(CkksBackend(CKKS_8192_REFRESH, workers=0).create_key_owner()._seal)
+    folder = Path(io._folder)
+    child = multiprocessing.get_context("fork").Process(target=_drop_in_child, args=(io,))
+    child.start()
+    child.join()
+    assert child.exitcode == 0 and folder.is_dir()
+    io.close()
+    assert not folder.exists()
