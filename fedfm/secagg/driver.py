@@ -1,0 +1,96 @@
+"""A whole secure-aggregation round in one process, for tests and benchmarks.
+
+Every request, reply and client state goes through its ``(arrays, config)`` records on the way,
+as it would through Flower, so a round here exercises the same encoding a deployment uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from fedfm.errors import ConfigError, FedfmError
+from fedfm.secagg.client import ClientSecAggState, ClientUpdate, handle
+from fedfm.secagg.config import SecAggConfig
+from fedfm.secagg.layout import ArrayLayout
+from fedfm.secagg.messages import STAGES, Request, decode_reply, decode_request
+from fedfm.secagg.records import Arrays, Config
+from fedfm.secagg.server import SecAggResult, SecAggServer
+
+Records = tuple[Arrays, Config]
+
+
+class InProcessRound:
+    """The server and the clients of one round, run stage by stage.
+
+    ``dropouts`` maps a stage to the nodes that never answer its request (they crash or time
+    out on receiving it); the server does not ask them again. A client that refuses a request
+    (raises a :class:`FedfmError`) drops out the same way, with the reason in
+    ``client_errors``. ``sent`` and ``received`` hold, per stage and node, the records of each
+    request and reply: exactly what the server sent and learnt. ``pending`` are the requests
+    the next :meth:`run_stage` delivers (tests may alter them to play a misbehaving server).
+    """
+
+    def __init__(
+        self,
+        config: SecAggConfig,
+        updates: Mapping[int, ClientUpdate],
+        *,
+        round_id: int = 0,
+        dropouts: Mapping[str, Collection[int]] | None = None,
+    ) -> None:
+        self.updates = dict(updates)
+        if not self.updates:
+            raise ConfigError("a round needs at least one client update")
+        self.layout = ArrayLayout.of(next(iter(self.updates.values())).arrays)
+        self.server = SecAggServer(config, self.layout, round_id=round_id)
+        self.dropouts = {stage: set(nodes) for stage, nodes in (dropouts or {}).items()}
+        self.states: dict[int, Records] = {
+            node: ClientSecAggState().to_records() for node in self.updates
+        }
+        self.sent: dict[str, dict[int, Records]] = {}
+        self.received: dict[str, dict[int, Records]] = {}
+        self.client_errors: dict[int, str] = {}
+        self.pending: dict[int, Request] = dict(self.server.start(sorted(self.updates)))
+
+    def run_stage(self) -> None:
+        """Deliver the pending requests, collect the replies, hand them to the server."""
+        stage = self.server.stage
+        replies = {}
+        for node, request in sorted(self.pending.items()):
+            records = request.to_records()
+            self.sent.setdefault(stage, {})[node] = records
+            if node in self.dropouts.get(stage, ()):
+                continue
+            state = ClientSecAggState.from_records(*self.states[node])
+            try:
+                reply, new_state = handle(
+                    state, decode_request(*records), update=self.updates[node]
+                )
+            except FedfmError as error:
+                self.client_errors[node] = f"{stage}: {error}"
+                continue
+            self.states[node] = new_state.to_records()
+            reply_records = reply.to_records()
+            self.received.setdefault(stage, {})[node] = reply_records
+            replies[node] = decode_reply(*reply_records)
+        self.pending = self.server.on_replies(replies)
+
+    def run(self) -> SecAggResult:
+        """Run the remaining stages; the result, or the server's :class:`ProtocolError`."""
+        while self.server.stage in STAGES:
+            self.run_stage()
+        return self.server.result()
+
+    def client_state(self, node: int) -> ClientSecAggState:
+        return ClientSecAggState.from_records(*self.states[node])
+
+
+def run_in_process(
+    config: SecAggConfig,
+    updates: Mapping[int, ClientUpdate],
+    *,
+    round_id: int = 0,
+    dropouts: Mapping[str, Collection[int]] | None = None,
+) -> SecAggResult:
+    """Run one round for ``updates`` (node id to update) with the given dropouts per stage."""
+    return InProcessRound(config, updates, round_id=round_id, dropouts=dropouts).run()
