@@ -16,6 +16,7 @@ between refreshes costs more per operation but wins when round trips are slow.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,6 +38,21 @@ from fedfm.results import write_results
 # Round-trip times to project a block's wall time onto a transport: Flower simulation (about
 # 0.1 s) and the Deployment Engine (6-10 s measured; 8 s here).
 ROUND_TRIP_SECONDS = {"simulation": 0.1, "deployment": 8.0}
+
+
+def _cores_used(backend: CkksBackend) -> int:
+    """Cores the run could use: BLAS threads and worker processes, or one without workers."""
+    return (os.cpu_count() or 1) if backend.workers >= 2 else 1
+
+
+def _cores_description(backend: CkksBackend) -> str:
+    if backend.workers < 2:
+        return "Server and data owner in one process (FEDFM_CKKS_WORKERS below 2: one core)"
+    return (
+        f"Server and data owner on this machine's {_cores_used(backend)} cores: linear layers "
+        f"in multithreaded BLAS, masks and refreshes in {backend.workers} worker processes "
+        "(FEDFM_CKKS_WORKERS)"
+    )
 
 
 def _payload_bytes(payload: dict[str, np.ndarray]) -> int:
@@ -231,8 +247,9 @@ def run_ckks_benchmark(
             f"{model.vit.embed_dim}) on {run.dataset} test images; backend `{backend_name}`: "
             f"N = {params.poly_modulus_degree}, primes {list(params.coeff_mod_bit_sizes)} bits, "
             f"scale 2^{params.scale_bits}, {params.levels_between_refreshes} rescales between "
-            "masked refreshes. One process on one core; refreshes answered in process by the "
-            "data owner (no network: add round trips x RTT). `simulate` is the plaintext "
+            f"masked refreshes. {_cores_description(backend)}; refreshes answered on this "
+            "machine by the data owner (no network: add round trips x RTT). `simulate` is the "
+            "plaintext "
             "polynomial block (torch, one thread) the simulate backend runs. A forward pass "
             f"is {model.num_blocks} such blocks"
             + (
@@ -282,7 +299,8 @@ def run_ckks_benchmark(
             "server_seconds_by_operation": {
                 row["batch_size"]: row["server_seconds_by_operation"] for row in rows
             },
-            "cores_used": 1,
+            "cores_used": _cores_used(backend),
+            "worker_processes": backend.workers if backend.workers >= 2 else 0,
             "forward_pass": forward,
         },
         command=command,
