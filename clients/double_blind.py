@@ -1,10 +1,12 @@
 """The data owner's role of double-blind adaptation as a Flower ``ClientApp``.
 
-Every protocol message (``query.setup``, ``train.block``, ``train.loss``, ``evaluate.block``) goes
-to :func:`handle`: decode the message into an envelope, restore the client's state from
-``context.state``, let :class:`~fedfm.protocols.double_blind.DoubleBlindClient` answer, save the
-new state and reply. The secret key is part of that state and never leaves ``context.state``.
-A message the protocol refuses gets an error reply and leaves ``context.state`` as it was.
+Every protocol message (``query.setup``, ``train.block``, ``train.loss``, ``train.secagg``,
+``evaluate.block``, ``query.refresh``) goes to :func:`handle`: decode the message into an
+envelope, restore the client's state from ``context.state``, let
+:class:`~fedfm.protocols.double_blind.DoubleBlindClient` answer, save the new state and reply.
+The secret key is part of that state and never leaves ``context.state``; so are, between the
+SecAgg stages, the client's update and its SecAgg secrets. A message the protocol refuses gets an
+error reply and leaves ``context.state`` as it was.
 
 The client's data: partition ``partition-id`` of ``num-partitions`` (node config; simulation
 sets both) of the clients' pool, split exactly as the in-process runner splits it for client
@@ -31,6 +33,7 @@ from fedfm.protocols.double_blind.config import (
     SETUP,
     TRAIN_BLOCK,
     TRAIN_LOSS,
+    TRAIN_SECAGG,
     DoubleBlindConfig,
 )
 from fedfm.protocols.double_blind.runner import Federation, federation_data
@@ -123,6 +126,6 @@ def handle(message: Message, context: Context) -> Message:
 
 app = ClientApp()
 _REGISTER = {"train": app.train, "evaluate": app.evaluate, "query": app.query}
-for _message_type in (SETUP, TRAIN_BLOCK, TRAIN_LOSS, EVALUATE_BLOCK, REFRESH):
+for _message_type in (SETUP, TRAIN_BLOCK, TRAIN_LOSS, TRAIN_SECAGG, EVALUATE_BLOCK, REFRESH):
     _category, _action = _message_type.split(".")
     _REGISTER[_category](_action)(handle)

@@ -51,7 +51,7 @@ from fedfm.crypto.backend import CryptoBackend
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.observed import BLOCK_MESSAGES, DrawnBatches
 from fedfm.protocols.double_blind.client import ClientData, ClientState
-from fedfm.protocols.double_blind.config import EVALUATE_BLOCK
+from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_SECAGG
 from fedfm.protocols.double_blind.messages import unpack_batches
 from fedfm.protocols.double_blind.permutation import relative
 from fedfm.protocols.transport import Envelope
@@ -86,7 +86,12 @@ class BatchView:
 
 @dataclass
 class CuriousClient:
-    """An observer keeping everything one client receives and decrypts."""
+    """An observer keeping everything one client receives and decrypts.
+
+    ``integer_arrays`` holds the integer arrays of the adaptation's messages; the SecAgg stages'
+    (``train.secagg``: node ids, public keys, share ciphertexts, all of the aggregation) are left
+    out of it.
+    """
 
     node_id: int
     backend: CryptoBackend
@@ -98,7 +103,8 @@ class CuriousClient:
         if node != self.node_id:
             return
         self.config_keys |= set(request.config)
-        for key, value in request.arrays.items():
+        adaptation_arrays = {} if request.message_type == TRAIN_SECAGG else request.arrays
+        for key, value in adaptation_arrays.items():
             if np.asarray(value).dtype.kind in "iu" and not key.endswith("key_id"):
                 self.integer_arrays.append((request.message_type, request.round, key, value))
         if request.message_type not in BLOCK_MESSAGES:

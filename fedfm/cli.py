@@ -194,6 +194,29 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> 
         default=0,
         help="seeds partitions, the server's sampling and permutations, and initialisations",
     )
+    secagg = parser.add_argument_group("secure aggregation of the clients' updates")
+    secagg.add_argument(
+        "--secure-aggregation",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the server learns only the weighted average of the updates (SecAgg+; default on)",
+    )
+    secagg.add_argument(
+        "--secagg-clipping-range",
+        type=float,
+        default=1.0,
+        help="each value of an update (new minus received parameters) is clipped to [-c, c]",
+    )
+    secagg.add_argument("--secagg-bits", type=int, default=24, help="quantization bits")
+    secagg.add_argument(
+        "--secagg-neighbours", type=int, default=0, help="SecAgg+ neighbours (0: all clients)"
+    )
+    secagg.add_argument(
+        "--secagg-threshold",
+        type=int,
+        default=0,
+        help="shares that rebuild a client's secrets (0: half its neighbours, plus one)",
+    )
     parser.add_argument(
         "--workdir",
         type=Path,
@@ -226,6 +249,11 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
         seed=args.seed,
         backend=args.backend,
         reveal=args.reveal,
+        secure_aggregation=args.secure_aggregation,
+        secagg_clipping_range=args.secagg_clipping_range,
+        secagg_bits=args.secagg_bits,
+        secagg_neighbours=args.secagg_neighbours,
+        secagg_threshold=args.secagg_threshold,
     )
     federation = Federation(
         num_clients=args.clients, scheme=args.partition, alpha=args.alpha, seed=args.seed
@@ -337,6 +365,18 @@ def _bench_ckks(args: argparse.Namespace) -> None:
         batch_sizes=args.batch_sizes,
         block=args.block - 1,
         forward_batch=args.forward_batch,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
+def _bench_runtime(args: argparse.Namespace) -> None:
+    from fedfm.bench_runtime import DEFAULT_SIZES, run_runtime_benchmark
+
+    run_runtime_benchmark(
+        sizes=args.sizes or DEFAULT_SIZES,
+        repeats=args.repeats,
+        vector_length=args.vector_length,
         results_dir=args.results_dir,
         command=args.command_line,
     )
@@ -455,6 +495,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_ckks.add_argument("--results-dir", type=Path, default=Path("results"))
     bench_ckks.set_defaults(handler=_bench_ckks)
+
+    bench_runtime = commands.add_parser(
+        "bench-runtime", help="end-to-end channel vs plain relaying: bytes and time per message"
+    )
+    bench_runtime.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="payload sizes in bytes (default: 1 KiB, 64 KiB, 1 MiB, 16 MiB)",
+    )
+    bench_runtime.add_argument("--repeats", type=int, default=20, help="messages per size")
+    bench_runtime.add_argument(
+        "--vector-length", type=int, default=1024, help="length of the masked-sum example's vectors"
+    )
+    bench_runtime.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench_runtime.set_defaults(handler=_bench_runtime)
     return parser
 
 

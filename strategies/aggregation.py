@@ -1,9 +1,18 @@
 """Aggregation of fedfm client updates through any Flower strategy.
 
 fedfm's driver does all the sending and receiving itself (a double-blind round takes ``2L + 1``
-round trips, not Flower's one), so a Flower strategy only aggregates: :class:`StrategyAggregator`
-presents the round's updates to it as train replies (an ``ArrayRecord`` of the adapter and head
-plus a ``MetricRecord`` with ``num-examples``) and returns what ``aggregate_train`` makes of them.
+round trips, plus 4 for secure aggregation, not Flower's one), so a Flower strategy only
+aggregates: :class:`StrategyAggregator` presents the round's training to it as train replies (an
+``ArrayRecord`` of the adapter and head plus a ``MetricRecord`` with ``num-examples``) and returns
+what ``aggregate_train`` makes of them.
+
+With secure aggregation the server holds no client's update, only their weighted average: the
+strategy gets that as a single train reply from node :data:`AGGREGATE_NODE_ID` with
+``num-examples`` = the total weight (and ``num-clients``). FedAvg returns it unchanged; FedAdam,
+FedYogi and FedAdagrad apply their server optimiser to it exactly as to the average of individual
+replies. Strategies that need the individual updates (median, trimmed mean, Krum, Bulyan,
+per-client clipping for differential privacy) cannot work under secure aggregation: given one
+reply they see nothing to compare or clip; turn secure aggregation off to use them.
 
 Before aggregating it calls ``configure_train`` with the round's global arrays and ignores the
 messages that returns: strategies keep per-round state there (FedOpt's FedAdam/FedYogi/FedAdagrad
@@ -26,8 +35,12 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.protocols.double_blind import SecureAggregate
 from fedfm.protocols.double_blind.server import ClientUpdate
 from fedfm_clients.codec import from_array_record, to_array_record
+
+# The sender of a secure aggregate's train reply: no single node (Flower's node ids are positive).
+AGGREGATE_NODE_ID = 0
 
 # Built-in names. The driver decides who takes part (``min-clients``), so their node minimums are
 # 1. FedProx aggregates as FedAvg does; its proximal term belongs in the client's loss, which the
@@ -123,49 +136,80 @@ class StrategyAggregator:
         if count < needed:
             raise ProtocolError(
                 f"{type(self.strategy).__name__} needs {needed} nodes to aggregate, {count} "
-                "returned an update; lower its min_train_nodes/min_available_nodes"
+                "contributed an update; lower its min_train_nodes/min_available_nodes"
             )
 
-    def _replies(self, server_round: int, updates: Sequence[ClientUpdate]) -> list[Message]:
+    def _reply(
+        self,
+        server_round: int,
+        node_id: int,
+        arrays: dict[str, np.ndarray],
+        weight: int,
+        metrics: dict[str, int | float],
+    ) -> Message:
+        """A train reply from ``node_id`` as Flower's runtime would hand it to the strategy."""
         weight_key = getattr(self.strategy, "weighted_by_key", "num-examples")
-        replies = []
-        for update in updates:
-            request = Message(
-                RecordDict(),
-                dst_node_id=update.node_id,
-                message_type="train",
-                group_id=str(server_round),
-            )
-            content = RecordDict(
-                {
-                    "arrays": to_array_record(update.arrays),
-                    "metrics": MetricRecord(
-                        {weight_key: update.num_examples, "train-loss": update.train_loss}
-                    ),
-                }
-            )
-            replies.append(Message(content, reply_to=request))
-        return replies
+        request = Message(
+            RecordDict(), dst_node_id=node_id, message_type="train", group_id=str(server_round)
+        )
+        content = RecordDict(
+            {
+                "arrays": to_array_record(arrays),
+                "metrics": MetricRecord({weight_key: weight, **metrics}),
+            }
+        )
+        return Message(content, reply_to=request)
 
     def aggregate(
         self, server_round: int, global_arrays: dict[str, np.ndarray], updates: list[ClientUpdate]
     ) -> dict[str, np.ndarray]:
-        """The strategy's new global arrays, in the dtypes of ``global_arrays``.
+        """The strategy's new global arrays from one train reply per client's update.
 
         Raises
         ------
         ProtocolError
             If the strategy returns nothing or arrays that do not match ``global_arrays``.
         """
-        self._check_node_minimum(len(updates))
-        grid = NodeListGrid(update.node_id for update in updates)
+        replies = [
+            self._reply(
+                server_round, u.node_id, u.arrays, u.num_examples, {"train-loss": u.train_loss}
+            )
+            for u in updates
+        ]
+        return self._aggregate(server_round, global_arrays, [u.node_id for u in updates], replies)
+
+    def aggregate_secure(
+        self, server_round: int, global_arrays: dict[str, np.ndarray], aggregate: SecureAggregate
+    ) -> dict[str, np.ndarray]:
+        """The strategy's new global arrays from the secure aggregate as a single train reply.
+
+        Node sampling in ``configure_train`` and the strategy's node minimums see the clients
+        in the aggregate.
+        """
+        reply = self._reply(
+            server_round,
+            AGGREGATE_NODE_ID,
+            aggregate.arrays,
+            aggregate.total_weight,
+            {"train-loss": aggregate.train_loss, "num-clients": len(aggregate.included)},
+        )
+        return self._aggregate(server_round, global_arrays, sorted(aggregate.included), [reply])
+
+    def _aggregate(
+        self,
+        server_round: int,
+        global_arrays: dict[str, np.ndarray],
+        node_ids: Sequence[int],
+        replies: list[Message],
+    ) -> dict[str, np.ndarray]:
+        """``configure_train`` then ``aggregate_train``; the result in ``global_arrays``' dtypes."""
+        self._check_node_minimum(len(node_ids))
+        grid = NodeListGrid(node_ids)
         with task_identity():
             self.strategy.configure_train(
                 server_round, to_array_record(global_arrays), ConfigRecord(), grid
             )
-            aggregated, _ = self.strategy.aggregate_train(
-                server_round, self._replies(server_round, updates)
-            )
+            aggregated, _ = self.strategy.aggregate_train(server_round, replies)
         name = type(self.strategy).__name__
         if aggregated is None:
             raise ProtocolError(f"{name} aggregated nothing in round {server_round}")

@@ -4,7 +4,9 @@
 :data:`fedfm.protocols.double_blind.settings.DEFAULTS`), loads the distilled FHE-friendly student
 (distilling it first if the work directory has none), waits for the clients' nodes and runs
 :func:`~fedfm.protocols.double_blind.run_double_blind` over a :class:`FlowerTransport`, with
-aggregation through a Flower strategy (FedAvg by default).
+aggregation through a Flower strategy (FedAvg by default). With secure aggregation (run config
+``secure-aggregation``, on by default) the strategy sees one train reply, the securely averaged
+adapter and head, instead of one per client.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ def run_adaptation(
         deadline_seconds=settings.connect_timeout,
         log=log,
     )
-    log(f"[fedfm] aggregation: {type(strategy).__name__} ({settings.strategy})")
+    secure = settings.protocol.secure_aggregation
+    log(
+        f"[fedfm] aggregation: {type(strategy).__name__} ({settings.strategy}) over "
+        f"{'the secure aggregate' if secure else 'per-client updates'}"
+    )
     return run_double_blind(
         server,
         FlowerTransport(grid),
@@ -62,6 +68,7 @@ def run_adaptation(
             "strategy": settings.strategy,
         },
         timeout=settings.timeout,
+        secagg_timeout=settings.secagg_timeout,
         min_clients=settings.min_clients,
         log=log,
     )

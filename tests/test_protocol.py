@@ -21,6 +21,7 @@ from fedfm.errors import (
     ProtocolError,
 )
 from fedfm.models import ModelSpec, to_fhe_friendly
+from fedfm.observed import run_observed
 from fedfm.protocols.double_blind import (
     ClientData,
     ClientState,
@@ -28,16 +29,29 @@ from fedfm.protocols.double_blind import (
     DoubleBlindConfig,
     DoubleBlindServer,
     SideAdapterHead,
+    WeightedAverage,
 )
 from fedfm.protocols.double_blind.config import (
     SETUP,
     TRAIN_BLOCK,
     TRAIN_LOSS,
+    TRAIN_SECAGG,
     revealed_blocks,
 )
 from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
-from fedfm.protocols.double_blind.runner import Federation, run_in_process
+from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.transport import Envelope
+from fedfm.secagg import (
+    ADVERTISE_KEYS,
+    COLLECT_MASKED_INPUT,
+    SHARE_KEYS,
+    STAGES,
+    UNMASK,
+    ClientSecAggState,
+    SecAggServer,
+    decode_reply,
+)
+from fedfm.secagg.layout import ArrayLayout
 from fedfm.training import PretrainConfig, pretrain
 
 IMAGE = 16
@@ -74,6 +88,15 @@ def make_data(splits, count: int = 80) -> ClientData:
         eval_labels=labels[count : count + 20],
         num_classes=10,
     )
+
+
+def trained_params(outcome, state, initial) -> dict[str, np.ndarray]:
+    """A client's new adapter and head: in its reply, or kept as an update under secure
+    aggregation (the server then got none)."""
+    if not state.config.get("secure_aggregation", True):
+        return outcome.arrays
+    assert outcome.arrays == {} and state.stage == "trained"
+    return {name: initial[name] + delta for name, delta in state.group("update").items()}
 
 
 def setup_pair(model, splits, config=None):
@@ -175,7 +198,7 @@ def test_one_round_between_roles_and_what_the_client_receives(model, splits) -> 
             break
         request = outcome
     assert outcome.num_examples == 32 and np.isfinite(outcome.train_loss)
-    assert set(outcome.arrays) == set(arrays)
+    assert set(trained_params(outcome, state, arrays)) == set(arrays)
     # the client got relative permutations only, never one of the server's pi_l
     assert received_ints
     for array in received_ints:
@@ -240,9 +263,12 @@ def test_setup_reply_with_wrong_class_count_is_refused(model, splits) -> None:
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def test_protocol_update_equals_plaintext_sgd_step(model, splits) -> None:
-    """Permutations, encryption and the split of work change nothing in the mathematics."""
-    server, client, state = setup_pair(model, splits, small_config(momentum=0.0, lr=0.5))
+@pytest.mark.parametrize("secure", [True, False])
+def test_protocol_update_equals_plaintext_sgd_step(model, splits, secure) -> None:
+    """Permutations, encryption and the split of work change nothing in the mathematics; with
+    secure aggregation the client keeps the same step as its update instead of sending it."""
+    config = small_config(momentum=0.0, lr=0.5, secure_aggregation=secure)
+    server, client, state = setup_pair(model, splits, config)
     initial = server.initial_arrays(96)
     request = server.start("train", 7, 1, initial)
     batches = [b.copy() for b in server.sessions[7].in_flight.indices]
@@ -268,9 +294,10 @@ def test_protocol_update_equals_plaintext_sgd_step(model, splits) -> None:
         logits = adapter(out, identity, torch.stack([identity] * 4))
         losses.append(torch.nn.functional.cross_entropy(logits, labels[torch.from_numpy(batch)]))
     torch.stack(losses).mean().backward()
+    params = trained_params(outcome, state, initial)
     for name, parameter in adapter.named_parameters():
         expected = (parameter - 0.5 * parameter.grad).detach().numpy()
-        np.testing.assert_allclose(outcome.arrays[name], expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(params[name], expected, rtol=1e-4, atol=1e-5)
     assert outcome.train_loss == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
 
 
@@ -311,9 +338,10 @@ def test_tap_sets_reveal_only_their_blocks_and_train_on_them(model, splits, reve
         logits = adapter(taps, identity, torch.stack([identity] * len(shown)))
         losses.append(torch.nn.functional.cross_entropy(logits, labels[torch.from_numpy(batch)]))
     torch.stack(losses).mean().backward()
+    params = trained_params(outcome, state, initial)
     for name, parameter in adapter.named_parameters():
         expected = (parameter - 0.5 * parameter.grad).detach().numpy()
-        np.testing.assert_allclose(outcome.arrays[name], expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(params[name], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_reveal_settings_are_checked() -> None:
@@ -332,9 +360,9 @@ def test_in_process_run_accounts_round_trips(model, splits) -> None:
     assert [record.round for record in history] == [1, 2, 3]
     assert all(np.isfinite(record.train_loss) for record in history)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history)
-    # L + 1 round trips to train and L to evaluate, per round; plus one for setup
-    assert all(record.round_trips == 2 * model.num_blocks + 1 for record in history)
-    assert transport.stats.round_trips == 1 + 3 * (2 * model.num_blocks + 1)
+    # L + 1 round trips to train, 4 SecAgg stages and L to evaluate, per round; plus setup
+    assert all(record.round_trips == 2 * model.num_blocks + 5 for record in history)
+    assert transport.stats.round_trips == 1 + 3 * (2 * model.num_blocks + 5)
 
 
 def test_a_client_dropping_mid_round_leaves_the_round_to_the_others(model, splits) -> None:
@@ -350,11 +378,11 @@ def test_a_client_dropping_mid_round_leaves_the_round_to_the_others(model, split
         model,
         splits,
         small_config(rounds=1),
-        Federation(num_clients=2),
+        Federation(num_clients=3),  # secure aggregation needs two updates
         drop=drop,
         log=lines.append,
     )
-    assert history[0].clients_trained == 1
+    assert history[0].clients_trained == 2
     assert any("node 1" in failure for failure in history[0].failures)
     assert any("left the round" in line for line in lines)
 
@@ -363,7 +391,7 @@ def test_too_few_clients_stops_with_a_clear_error(model, splits) -> None:
     def drop_all(envelope: Envelope) -> bool:
         return envelope.message_type != SETUP
 
-    with pytest.raises(ProtocolError, match="0 clients finished training, need 1"):
+    with pytest.raises(ProtocolError, match=r"0 clients finished training, need 2 \(secure"):
         run_in_process(
             model,
             splits,
@@ -390,3 +418,245 @@ def test_runs_resume_after_the_last_saved_round(model, splits, tmp_path: Path) -
     )
     assert resumed == first
     assert transport.stats.round_trips == 1  # setup only: nothing left to run
+
+
+# -- secure aggregation ----------------------------------------------------------------------------
+# Four clients (Dirichlet partition of the small pool) with 3 batches per round: weights N_k of
+# 48, 32, 32 and 48 examples, so the averages below are really weighted (Eq. 7).
+SECURE_FEDERATION = Federation(num_clients=4)
+
+
+def secure_config(**changes) -> DoubleBlindConfig:
+    return small_config(rounds=1, batches_per_round=3, **changes)
+
+
+class RecordingAverage(WeightedAverage):
+    """The default aggregation, keeping what it was given and what it returned."""
+
+    def __init__(self) -> None:
+        self.inputs: list[tuple[dict[str, np.ndarray], object]] = []
+        self.results: list[dict[str, np.ndarray]] = []
+
+    def aggregate(self, server_round, global_arrays, updates):
+        self.inputs.append((global_arrays, updates))
+        self.results.append(super().aggregate(server_round, global_arrays, updates))
+        return self.results[-1]
+
+    def aggregate_secure(self, server_round, global_arrays, aggregate):
+        self.inputs.append((global_arrays, aggregate))
+        self.results.append(super().aggregate_secure(server_round, global_arrays, aggregate))
+        return self.results[-1]
+
+
+def one_round(model, splits, config, *, drop=None, lines=None):
+    """Round 1 of a run with SECURE_FEDERATION: its record, new global arrays and transport."""
+    aggregator = RecordingAverage()
+    history, transport = run_in_process(
+        model,
+        splits,
+        config,
+        SECURE_FEDERATION,
+        aggregator=aggregator,
+        drop=drop,
+        log=lines.append if lines is not None else (lambda _: None),
+    )
+    return history[0], aggregator.results[0], transport
+
+
+@pytest.fixture(scope="module")
+def plain_round(model, splits):
+    """The same round with secure aggregation off: the global arrays before it, each client's
+    update (the server sees them all), and the record."""
+    aggregator = RecordingAverage()
+    history, _ = run_in_process(
+        model,
+        splits,
+        secure_config(secure_aggregation=False),
+        SECURE_FEDERATION,
+        aggregator=aggregator,
+        log=lambda _: None,
+    )
+    global_arrays, updates = aggregator.inputs[0]
+    return global_arrays, updates, history[0]
+
+
+def assert_within_quantization(secure, plain, config) -> None:
+    """The documented bound: one quantization step ``2c / (2**bits - 1)`` per value, plus the
+    float32 rounding of parameters and sums (a few units in the last place: 2**-20 |w|)."""
+    step = config.secagg_config(2).quantizer.step
+    assert set(secure) == set(plain)
+    for name, value in plain.items():
+        bound = step + 2.0**-20 * float(np.abs(value).max())
+        np.testing.assert_allclose(secure[name], value, rtol=0, atol=bound, err_msg=name)
+
+
+def test_secure_aggregation_gives_the_plain_weighted_average(model, splits, plain_round) -> None:
+    """Same seed, same batches and steps: the securely aggregated global arrays equal FedAvg's
+    weighted average of the clients' parameters (Eq. 7) within the quantization bound."""
+    global_arrays, updates, plain_record = plain_round
+    weights = [update.num_examples for update in updates]
+    assert len(set(weights)) > 1  # unequal N_k: the weighting matters
+    lines: list[str] = []
+    config = secure_config()
+    record, secure, transport = one_round(model, splits, config, lines=lines)
+    expected = WeightedAverage().aggregate(1, global_arrays, updates)
+    assert_within_quantization(secure, expected, config)
+    assert not all(np.array_equal(secure[k], expected[k]) for k in expected)  # really quantized
+    assert record.train_loss == plain_record.train_loss  # the same training, before aggregation
+    assert record.clients_trained == 4 and record.failures == []
+    assert record.round_trips == plain_record.round_trips + len(STAGES)
+    assert transport.stats.by_type[TRAIN_SECAGG]["messages"] == 4 * len(STAGES)
+    for stage in STAGES:
+        assert f"stage {stage}, 4 replies of 4" in "\n".join(lines)
+
+
+def test_the_server_receives_masked_updates_only(model, splits) -> None:
+    """Everything a client sends after training: no parameters with the loss, and a masked input
+    uncorrelated with its true update (which stayed unclipped on the client)."""
+    config = secure_config()
+    seen: dict[int, dict[str, object]] = {}
+
+    def observe(node: int, request: Envelope, reply: Envelope, state: ClientState) -> None:
+        mine = seen.setdefault(node, {})
+        if request.message_type == TRAIN_LOSS:
+            mine["loss_reply"] = reply.arrays
+        if request.message_type == TRAIN_SECAGG:
+            for array in reply.arrays.values():  # ids, keys, ciphertexts, masked input, shares
+                assert array.dtype in (np.uint8, np.uint64)
+            if request.config["secagg.stage"] == COLLECT_MASKED_INPUT:
+                mine["masked"] = decode_reply(reply.arrays, reply.config).masked_input
+                mine["update"] = state.group("update")
+                mine["weight"] = state.config["update.num_examples"]
+                secagg = {k: v for k, v in state.arrays.items() if k.startswith("secagg.")}
+                settings = {k: v for k, v in state.config.items() if k.startswith("secagg.")}
+                mine["clipped"] = ClientSecAggState.from_records(secagg, settings).clipped_values
+
+    datasets = federation_data(splits, SECURE_FEDERATION, config)
+    run_observed(model, datasets, config, observers=[observe], log=lambda _: None)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for node, mine in seen.items():
+        assert mine["loss_reply"] == {}, f"node {node} sent parameters with its loss"
+        assert mine["clipped"] == 0
+        layout = ArrayLayout.of(mine["update"])
+        delta = layout.flatten(mine["update"])
+        assert 0 < np.abs(delta).max() < config.secagg_clipping_range / 4
+        masked = mine["masked"]
+        assert masked.shape == (layout.size + 1,)
+        # unmasked, every value would be below N * (2**bits - 1); masked, they are uniform
+        largest_plain = mine["weight"] * config.secagg_config(2).quantizer.max_level
+        assert np.mean(masked < np.uint64(largest_plain)) < 1e-3
+        uniform = masked.astype(np.float64) / 2.0**64
+        assert abs(uniform.mean() - 0.5) < 0.02
+        assert abs(np.corrcoef(uniform[:-1], delta)[0, 1]) < 0.06
+
+
+@pytest.mark.parametrize(
+    ("dropped_at", "included"),
+    [
+        ((TRAIN_BLOCK, None), False),  # before training
+        ((TRAIN_LOSS, None), False),  # after training, before its update is announced
+        ((TRAIN_SECAGG, ADVERTISE_KEYS), False),
+        ((TRAIN_SECAGG, SHARE_KEYS), False),
+        ((TRAIN_SECAGG, COLLECT_MASKED_INPUT), False),
+        ((TRAIN_SECAGG, UNMASK), True),  # its masked input is in: neighbours' shares unmask it
+    ],
+)
+def test_a_client_dropping_at_any_stage_leaves_the_others_aggregate(
+    model, splits, plain_round, dropped_at, included
+) -> None:
+    global_arrays, updates, plain_record = plain_round
+    message_type, stage = dropped_at
+
+    def drop(envelope: Envelope) -> bool:
+        return (
+            envelope.node_id == 1
+            and envelope.message_type == message_type
+            and envelope.config.get("secagg.stage") == stage
+        )
+
+    config = secure_config()
+    record, secure, _ = one_round(model, splits, config, drop=drop)
+    kept = [u for u in updates if included or u.node_id != 1]
+    assert_within_quantization(secure, WeightedAverage().aggregate(1, global_arrays, kept), config)
+    assert record.clients_trained == len(kept)
+    assert any(failure.startswith("node 1:") for failure in record.failures), record.failures
+    assert record.round_trips == plain_record.round_trips + len(STAGES)
+
+
+@pytest.mark.parametrize(
+    ("dropped", "stage", "message"),
+    [
+        ({1, 2, 3}, ADVERTISE_KEYS, "only 1 clients remain after advertise_keys, fewer than min"),
+        # 4 clients, 3 neighbours each, threshold 2: two survivors hold 1 share of each other
+        ({1, 2}, COLLECT_MASKED_INPUT, "cannot reconstruct the self-mask seed of node"),
+    ],
+)
+def test_too_many_secure_aggregation_dropouts_fail_the_round_clearly(
+    model, splits, dropped, stage, message
+) -> None:
+    def drop(envelope: Envelope) -> bool:
+        return envelope.node_id in dropped and envelope.config.get("secagg.stage") == stage
+
+    with pytest.raises(ProtocolError, match=f"round 1: secure aggregation failed: {message}"):
+        one_round(model, splits, secure_config(), drop=drop)
+
+
+def test_client_answers_secure_aggregation_only_after_training_and_in_order(model, splits) -> None:
+    """Two clients through the SecAgg stages by hand: refused messages change nothing, the
+    stages end in ``ready`` with the update gone, an update is never masked twice, and the
+    result is the weighted average of the two updates."""
+    config = secure_config()
+    server = DoubleBlindServer(model, config, BACKEND, num_classes=10, log=lambda _: None)
+    clients, states, deltas, weights = {}, {}, {}, {}
+    for node, count in ((7, 80), (8, 40)):  # 3 and 2 batches of 16: weights 48 and 32
+        clients[node] = DoubleBlindClient(make_data(splits, count), BACKEND)
+        reply, states[node] = clients[node].handle(server.setup_request(node), ClientState())
+        server.on_setup(reply)
+    initial = server.initial_arrays(96)
+    secagg = SecAggServer(config.secagg_config(2), ArrayLayout.of(initial), round_id=1)
+    requests = secagg.start([7, 8])
+
+    round_entries = ("update.", "secagg.")  # what the state holds only during a round
+
+    def ask(node: int, request, state: ClientState, round_id: int = 1):
+        answer, new_state = clients[node].handle(
+            Envelope(TRAIN_SECAGG, node, round_id, *request.to_records()), state
+        )
+        return decode_reply(answer.arrays, answer.config), new_state
+
+    with pytest.raises(ProtocolError, match=r"'ready' cannot accept 'train\.secagg'"):
+        ask(7, requests[7], states[7])  # before training
+    for node in (7, 8):
+        outcome = server.start("train", node, 1, initial)
+        while isinstance(outcome, Envelope):
+            reply, states[node] = clients[node].handle(outcome, states[node])
+            outcome = server.on_reply(reply)
+        assert states[node].stage == "trained" and outcome.arrays == {}
+        deltas[node], weights[node] = states[node].group("update"), outcome.num_examples
+    trained = dict(states)
+    with pytest.raises(ProtocolError, match=r"for round 2 \(secagg round 1\), but the client"):
+        ask(7, requests[7], trained[7], round_id=2)
+
+    for stage in STAGES:
+        assert secagg.stage == stage
+        replies = {}
+        for node, request in requests.items():
+            replies[node], states[node] = ask(node, request, states[node])
+        if stage == ADVERTISE_KEYS:  # an update is masked once: no second advertise_keys
+            with pytest.raises(ProtocolError, match=r"advertise_keys .* round 1 \(secagg\)"):
+                ask(7, requests[7], states[7])
+        if stage == SHARE_KEYS:  # and not without advertise_keys first
+            with pytest.raises(ProtocolError, match=r"share_keys .* round 1 \(trained\)"):
+                ask(7, requests[7], trained[7])
+        requests = secagg.on_replies(replies)
+    assert requests == {}
+    for state in states.values():
+        assert state.stage == "ready"
+        assert not [k for k in [*state.arrays, *state.config] if k.startswith(round_entries)]
+
+    result = secagg.result()
+    assert result.total_weight == sum(weights.values()) == 80
+    average = {
+        name: sum(deltas[node][name] * (weights[node] / 80) for node in (7, 8)) for name in initial
+    }
+    assert_within_quantization(result.arrays, average, config)

@@ -126,65 +126,68 @@ def _run_status(env: dict[str, str], seconds: float = 30.0) -> str:
 
 
 def run(supernodes: int, home: Path, flwr_args: list[str]) -> int:
-    """Start a SuperLink, run the app, stop the SuperLink; 0 if the run completed."""
+    """Start a SuperLink, run the double-blind app, stop the SuperLink; 0 if the run completed."""
+    defaults = (
+        f"num-clients={supernodes} workdir='{ROOT / 'runs/distill'}' "
+        f"cache-dir='{ROOT / 'runs/cache'}'"
+    )
+    status = run_app(APP, supernodes, home, ["--run-config", defaults, *flwr_args])
+    print(f"[fedfm] flwr run: {status}; SuperLink stopped")
+    return 0 if status == "finished:completed" else 1
+
+
+def run_app(app: Path, supernodes: int, home: Path, flwr_args: list[str]) -> str:
+    """Run the Flower App in ``app`` on a private simulation SuperLink; the run's final status.
+
+    ``flwr_args`` go to ``flwr run`` after the app, the connection and the federation config.
+    """
     # Ray's own folder: short (its socket paths must stay under 108 bytes) and private (Ray
     # would join a cluster another user started with `ray start` under the shared /tmp/ray)
     with tempfile.TemporaryDirectory(prefix="fedfm-ray-", ignore_cleanup_errors=True) as ray:
-        return _run(supernodes, home, flwr_args, _environment(home, Path(ray)))
-
-
-def _run(supernodes: int, home: Path, flwr_args: list[str], env: dict[str, str]) -> int:
-    port = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-        f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
-    with (home / "superlink.log").open("w") as superlink_log:
-        superlink = subprocess.Popen(
-            [
-                str(BIN / "flower-superlink"),
-                "--insecure",
-                "--simulation",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            env=env,
-            cwd=ROOT,
-            stdout=superlink_log,
-            stderr=subprocess.STDOUT,
+        env = _environment(home, Path(ray))
+        port = _free_port()
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
         )
-        try:
-            _wait_until_healthy(port, superlink)
-            defaults = (
-                f"num-clients={supernodes} workdir='{ROOT / 'runs/distill'}' "
-                f"cache-dir='{ROOT / 'runs/cache'}'"
+        with (home / "superlink.log").open("w") as superlink_log:
+            superlink = subprocess.Popen(
+                [
+                    str(BIN / "flower-superlink"),
+                    "--insecure",
+                    "--simulation",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=superlink_log,
+                stderr=subprocess.STDOUT,
             )
-            command = [
-                str(BIN / "flwr"),
-                "run",
-                str(APP),
-                CONNECTION,
-                "--stream",
-                "--federation-config",
-                f"num-supernodes={supernodes}",
-                "--run-config",
-                defaults,
-                *flwr_args,
-            ]
-            exit_code = subprocess.run(command, env=env, cwd=ROOT, check=False).returncode
-            status = _run_status(env) if exit_code == 0 else f"flwr run exited with {exit_code}"
-        finally:
-            superlink.terminate()
             try:
-                superlink.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                superlink.kill()
-                superlink.wait()
-            _wait_for_exit(Path(env["FLWR_HOME"]))
-    print(f"[fedfm] flwr run: {status}; SuperLink stopped")
-    return 0 if status == "finished:completed" else 1
+                _wait_until_healthy(port, superlink)
+                command = [
+                    str(BIN / "flwr"),
+                    "run",
+                    str(app),
+                    CONNECTION,
+                    "--stream",
+                    "--federation-config",
+                    f"num-supernodes={supernodes}",
+                    *flwr_args,
+                ]
+                exit_code = subprocess.run(command, env=env, cwd=ROOT, check=False).returncode
+                return _run_status(env) if exit_code == 0 else f"flwr run exited with {exit_code}"
+            finally:
+                superlink.terminate()
+                try:
+                    superlink.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    superlink.kill()
+                    superlink.wait()
+                _wait_for_exit(home)
 
 
 def main(argv: list[str] | None = None) -> int:

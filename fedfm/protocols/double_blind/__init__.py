@@ -6,6 +6,7 @@ from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.driver import (
     Aggregator,
     RoundRecord,
+    SecureAggregate,
     WeightedAverage,
     run_double_blind,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "DoubleBlindServer",
     "EvaluationResult",
     "RoundRecord",
+    "SecureAggregate",
     "SideAdapterHead",
     "WeightedAverage",
     "balanced_accuracy",

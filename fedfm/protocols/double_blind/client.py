@@ -9,7 +9,17 @@ What the client sees (spec ``001`` §3.2): every block's outputs for its own bat
 a permutation it never receives; relative permutations between consecutive blocks (enough to
 align ``B_{l-1}`` and ``B_l`` row by row, which the adapter needs); in training, the logit
 gradient ``(p - y)/n``, from which it learns the label of each permuted row but not which of its
-samples the row is; in evaluation, the labels in the same permuted order.
+samples the row is; in evaluation, the labels in the same permuted order. With secure
+aggregation (the default) also what :mod:`fedfm.secagg` shows a client: its neighbours' ids and
+public keys, one share of each neighbour's secrets, which neighbours the server says survived.
+
+Secure aggregation: ``train.loss`` leaves the client in stage ``trained`` holding its update,
+the new adapter and head minus the global ones it received this round (``update.*`` arrays; a
+difference is small, so a small clipping range suffices), and its number of examples. The
+``train.secagg`` stages then mask it (``advertise_keys`` only from ``trained`` of the same round,
+so an update is masked at most once; the others from ``secagg``), with the SecAgg client state
+kept under ``secagg.`` keys of the state's arrays and config; after ``unmask`` the client is
+``ready`` again and the update is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from fedfm.protocols.double_blind.config import (
     SETUP,
     TRAIN_BLOCK,
     TRAIN_LOSS,
+    TRAIN_SECAGG,
     DoubleBlindConfig,
 )
 from fedfm.protocols.double_blind.messages import (
@@ -40,6 +51,10 @@ from fedfm.protocols.double_blind.messages import (
     unpack_batches,
 )
 from fedfm.protocols.transport import Envelope
+from fedfm.secagg import ADVERTISE_KEYS, UNMASK, ClientSecAggState, decode_request
+from fedfm.secagg import ClientUpdate as MaskedUpdate
+from fedfm.secagg import handle as handle_secagg
+from fedfm.secagg.messages import PREFIX as SECAGG
 
 
 @dataclass(frozen=True)
@@ -87,13 +102,23 @@ class ClientState:
 
 
 # Which message each stage accepts. A round may always restart at block 1 (the server dropped
-# the previous one, e.g. after a timeout); everything else must follow in order.
+# the previous one, e.g. after a timeout, or left the client out of the aggregate); everything
+# else must follow in order.
 ALLOWED = {
     "new": {SETUP},
     "ready": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
     "train": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_LOSS, REFRESH},
+    "trained": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
+    "secagg": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
     "evaluate": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
 }
+# The update a client keeps for secure aggregation: ``update.*`` arrays and this config entry.
+UPDATE_WEIGHT = "update.num_examples"
+
+
+def run_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A state's config without the round's entries (the update's weight, the SecAgg state)."""
+    return {k: v for k, v in config.items() if k != UPDATE_WEIGHT and not k.startswith(SECAGG)}
 
 
 def one_hot(labels: np.ndarray, num_classes: int) -> np.ndarray:
@@ -117,6 +142,8 @@ class DoubleBlindClient:
             )
         if envelope.message_type == SETUP:
             return self._setup(envelope)
+        if envelope.message_type == TRAIN_SECAGG:
+            return self._secure_aggregation(envelope, state)
         key = self.backend.restore_key_owner(state.group("key"))
         if envelope.message_type == REFRESH:
             # Masked ciphertexts only: the client re-encrypts them and learns nothing; its state
@@ -165,7 +192,9 @@ class DoubleBlindClient:
                 raise ProtocolError(f"{envelope.message_type} block 1 lacks the global adapter")
             arrays = {k: v for k, v in state.arrays.items() if k.startswith(("key.", "momentum."))}
             arrays.update(pack_arrays("params", request.global_arrays))
-            state = replace(state, round=envelope.round, arrays=arrays)
+            state = replace(
+                state, round=envelope.round, config=run_settings(state.config), arrays=arrays
+            )
         elif (state.stage, state.round, state.block) != (kind, envelope.round, request.block - 1):
             raise ProtocolError(
                 f"{envelope.message_type} block {request.block} of round {envelope.round} does not "
@@ -235,16 +264,54 @@ class DoubleBlindClient:
         params = model.get_arrays()
         train_loss = float(np.mean([key.decrypt(loss)[0] for loss in losses]))
         num_examples = count * int(state.group("block1")["0"].shape[0])
-        reply = Envelope(
-            envelope.message_type,
-            envelope.node_id,
-            envelope.round,
-            pack_arrays("params", params),
-            {"num_examples": num_examples, "train_loss": train_loss},
-        )
+        metrics = {"num_examples": num_examples, "train_loss": train_loss}
         arrays = {k: v for k, v in state.arrays.items() if k.startswith("key.")}
         arrays.update(pack_arrays("momentum", new_momentum))
-        return reply, ClientState("ready", state.round, 0, state.config, arrays)
+        if not config.secure_aggregation:
+            reply = Envelope(
+                envelope.message_type,
+                envelope.node_id,
+                envelope.round,
+                pack_arrays("params", params),
+                metrics,
+            )
+            return reply, ClientState("ready", state.round, 0, state.config, arrays)
+        received = state.group("params")
+        arrays.update(pack_arrays("update", {k: v - received[k] for k, v in params.items()}))
+        reply = Envelope(envelope.message_type, envelope.node_id, envelope.round, {}, metrics)
+        settings = {**state.config, UPDATE_WEIGHT: num_examples}
+        return reply, ClientState("trained", state.round, 0, settings, arrays)
+
+    def _secure_aggregation(
+        self, envelope: Envelope, state: ClientState
+    ) -> tuple[Envelope, ClientState]:
+        """One SecAgg stage on the update this round's training left in the state."""
+        request = decode_request(envelope.arrays, envelope.config)
+        expected = "trained" if request.stage == ADVERTISE_KEYS else "secagg"
+        if (state.stage, state.round) != (expected, envelope.round) or (
+            request.round_id != envelope.round
+        ):
+            raise ProtocolError(
+                f"{TRAIN_SECAGG} {request.stage} for round {envelope.round} (secagg round "
+                f"{request.round_id}), but the client is in round {state.round} ({state.stage})"
+            )
+        secagg_arrays = {k: v for k, v in state.arrays.items() if k.startswith(SECAGG)}
+        secagg_config = {k: v for k, v in state.config.items() if k.startswith(SECAGG)}
+        previous = (
+            ClientSecAggState()
+            if request.stage == ADVERTISE_KEYS
+            else ClientSecAggState.from_records(secagg_arrays, secagg_config)
+        )
+        update = MaskedUpdate(state.group("update"), int(state.config[UPDATE_WEIGHT]))
+        reply, secagg_state = handle_secagg(previous, request, update=update)
+        answer = Envelope(TRAIN_SECAGG, envelope.node_id, envelope.round, *reply.to_records())
+        kept = {k: v for k, v in state.arrays.items() if not k.startswith(SECAGG)}
+        if request.stage == UNMASK:  # the last stage: the update has served its purpose
+            kept = {k: v for k, v in kept.items() if not k.startswith("update.")}
+            return answer, ClientState("ready", state.round, 0, run_settings(state.config), kept)
+        new_arrays, new_config = secagg_state.to_records()
+        config = {**run_settings(state.config), UPDATE_WEIGHT: update.num_examples, **new_config}
+        return answer, ClientState("secagg", state.round, 0, config, {**kept, **new_arrays})
 
     # -- local model -------------------------------------------------------------------------
     def _adapter(self, state: ClientState) -> SideAdapterHead:

@@ -6,11 +6,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fedfm.errors import ConfigError
+from fedfm.secagg import SecAggConfig
 
 # Message types (Flower form: category.action). One source of truth for both ends.
 SETUP = "query.setup"
 TRAIN_BLOCK = "train.block"
 TRAIN_LOSS = "train.loss"
+# The four stages of secure aggregation after training (the stage is in the message's config).
+TRAIN_SECAGG = "train.secagg"
 EVALUATE_BLOCK = "evaluate.block"
 # Client-assisted refresh of masked ciphertexts in the middle of the server's evaluation (CKKS).
 REFRESH = "query.refresh"
@@ -18,7 +21,18 @@ REFRESH = "query.refresh"
 # App. C: with n samples per batch a curious client faces n! candidate permutations; below 16
 # (16! ~ 2e13) the protocol refuses to run.
 DEFAULT_MIN_BATCH_SIZE = 16
-SERVER_ONLY_SETTINGS = ("seed", "permute")
+# The seed and the permutation switch would let a client recompute the permutations; the SecAgg
+# parameters reach the client in the first SecAgg stage, which is their one source of truth.
+SERVER_ONLY_SETTINGS = (
+    "seed",
+    "permute",
+    "secagg_clipping_range",
+    "secagg_bits",
+    "secagg_neighbours",
+    "secagg_threshold",
+)
+# An aggregate of one client is that client's update: secure aggregation needs two at least.
+MIN_SECURE_AGGREGATE = 2
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,22 @@ class DoubleBlindConfig:
         default ``None`` draws them from the operating system, which is what a deployment
         needs (anyone who knows the seed can recompute the permutations); experiments pass a
         seed to be reproducible.
+    secure_aggregation:
+        The server learns only the weighted average of the clients' updates (SecAgg+,
+        :mod:`fedfm.secagg`): a client's ``train.loss`` reply carries no parameters, the client
+        keeps its update (new minus received adapter and head) and masks it in four
+        ``train.secagg`` stages. ``False`` sends each client's parameters in the clear.
+    secagg_clipping_range:
+        ``c``: every value of an update (a difference of parameters) is clipped to ``[-c, c]``
+        before quantization; see ``docs/secure_aggregation.md`` for the default's reasoning.
+    secagg_bits:
+        Quantization bits; each averaged value is within ``2c / (2**bits - 1)`` of the exact
+        weighted average of the clipped updates.
+    secagg_neighbours:
+        SecAgg+ neighbours per client; 0 for the complete graph (Bonawitz et al.).
+    secagg_threshold:
+        Shares needed to rebuild a client's secrets; 0 for ``floor(k/2) + 1`` with ``k``
+        neighbours.
     """
 
     rounds: int = 20
@@ -72,6 +102,11 @@ class DoubleBlindConfig:
     eval_fraction: float = 0.2
     reveal: str = "all"
     seed: int | None = None
+    secure_aggregation: bool = True
+    secagg_clipping_range: float = 1.0
+    secagg_bits: int = 24
+    secagg_neighbours: int = 0
+    secagg_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -96,6 +131,25 @@ class DoubleBlindConfig:
         _reveal_numbers(self.reveal)  # the spelling; the range is checked against the model
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        for name in ("secagg_neighbours", "secagg_threshold"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        self.secagg_config(MIN_SECURE_AGGREGATE)  # the SecAgg settings' own checks
+
+    def secagg_config(self, min_clients: int) -> SecAggConfig:
+        """Secure aggregation's settings for a round that needs ``min_clients`` clients.
+
+        A client's weight is its number of training examples in the round, at most
+        ``batches_per_round * batch_size``; that is the largest weight clients may claim.
+        """
+        return SecAggConfig(
+            clipping_range=self.secagg_clipping_range,
+            quantization_bits=self.secagg_bits,
+            max_weight=self.batches_per_round * self.batch_size,
+            num_neighbours=self.secagg_neighbours or None,
+            reconstruction_threshold=self.secagg_threshold or None,
+            min_clients=max(min_clients, MIN_SECURE_AGGREGATE),
+        )
 
     def to_config(self) -> dict[str, Any]:
         """All settings as plain values (``None`` seed as -1), for checkpoints and logs."""
@@ -104,9 +158,10 @@ class DoubleBlindConfig:
         return values
 
     def client_settings(self) -> dict[str, Any]:
-        """What clients receive at setup: everything but the seed and the permutation switch.
+        """What clients receive at setup: everything but :data:`SERVER_ONLY_SETTINGS`.
 
         The seed drives the server's permutations; a client that knew it could recompute them.
+        The SecAgg parameters come with the first SecAgg stage instead.
         """
         return {k: v for k, v in self.to_config().items() if k not in SERVER_ONLY_SETTINGS}
 

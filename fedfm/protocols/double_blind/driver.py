@@ -1,11 +1,13 @@
 """The round loop of double-blind adaptation over any :class:`~fedfm.protocols.transport.Transport`.
 
 The same loop runs in-process (tests, benchmarks) and in a Flower ServerApp: setup once, then per
-round ``L + 1`` round trips to train (every client's messages go out together), aggregation
-through an :class:`Aggregator`, and ``L`` round trips to evaluate. Clients that fail or time out
-are logged and leave the round; the round goes on while at least ``min_clients`` answer. After
-every round the global adapter and head are saved; a run started again with the same settings
-resumes after the last saved round.
+round ``L + 1`` round trips to train (every client's messages go out together), with secure
+aggregation (the default) 4 round trips of SecAgg stages, aggregation through an
+:class:`Aggregator`, and ``L`` round trips to evaluate. Clients that fail or time out are logged
+and leave the round; the round goes on while at least ``min_clients`` answer (and, under secure
+aggregation, at least two and as many as the SecAgg threshold needs). After every round the
+global adapter and head are saved; a run started again with the same settings resumes after the
+last saved round.
 """
 
 from __future__ import annotations
@@ -20,20 +22,47 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedfm.errors import CheckpointError, FedfmError, ProtocolError
+from fedfm.protocols.double_blind.config import MIN_SECURE_AGGREGATE, TRAIN_SECAGG
 from fedfm.protocols.double_blind.server import (
     ClientUpdate,
     DoubleBlindServer,
     EvaluationResult,
     balanced_accuracy,
 )
+from fedfm.protocols.secure_aggregation import run_secure_aggregation
 from fedfm.protocols.transport import Envelope, Failure, Transport
+from fedfm.secagg import ArrayLayout, SecAggConfig
+
+
+@dataclass(frozen=True)
+class SecureAggregate:
+    """A round's result under secure aggregation: all the server learns of the clients' updates.
+
+    ``arrays`` are the global arrays plus the securely averaged update, i.e. the weighted average
+    ``sum_k N_k x_k / sum_k N_k`` of the included clients' new adapters and heads (within the
+    quantization error, see ``docs/secure_aggregation.md``); ``total_weight`` is ``sum_k N_k``;
+    ``included`` the clients whose updates it holds; ``train_loss`` their weighted mean loss.
+    """
+
+    arrays: dict[str, np.ndarray]
+    total_weight: int
+    included: frozenset[int]
+    train_loss: float
 
 
 class Aggregator(Protocol):
-    """Combines the clients' updates of a round into new global arrays (a strategy's job)."""
+    """Combines a round's training into new global arrays (a strategy's job).
+
+    ``aggregate`` gets each client's update (secure aggregation off); ``aggregate_secure`` gets
+    the one securely averaged aggregate, which is all there is with secure aggregation on.
+    """
 
     def aggregate(
         self, server_round: int, global_arrays: dict[str, np.ndarray], updates: list[ClientUpdate]
+    ) -> dict[str, np.ndarray]: ...
+
+    def aggregate_secure(
+        self, server_round: int, global_arrays: dict[str, np.ndarray], aggregate: SecureAggregate
     ) -> dict[str, np.ndarray]: ...
 
 
@@ -51,10 +80,22 @@ class WeightedAverage:
             for name in global_arrays
         }
 
+    def aggregate_secure(
+        self, server_round: int, global_arrays: dict[str, np.ndarray], aggregate: SecureAggregate
+    ) -> dict[str, np.ndarray]:
+        """The secure aggregate already is the weighted mean (SecAgg weights by ``N_k``)."""
+        return dict(aggregate.arrays)
+
 
 @dataclass
 class RoundRecord:
-    """What one round produced (also one line of the run's history)."""
+    """What one round produced (also one line of the run's history).
+
+    ``clients_trained`` counts the clients whose update went into the new global arrays (under
+    secure aggregation: into the aggregate), ``train_loss`` is their mean weighted by examples,
+    ``failures`` names every client that left the round and why, ``round_trips`` counts training,
+    SecAgg stages and evaluation.
+    """
 
     round: int
     train_loss: float
@@ -138,6 +179,51 @@ def _phase(
     return _exchange(server, requests=requests, **exchange)
 
 
+def _secure_aggregate(
+    transport: Transport,
+    updates: list[ClientUpdate],
+    global_arrays: dict[str, np.ndarray],
+    *,
+    config: SecAggConfig,
+    server_round: int,
+    timeout: float | None,
+    failures: list[str],
+    log: Callable[[str], None],
+) -> tuple[SecureAggregate, int]:
+    """The SecAgg stages with the clients that trained; their aggregate and the round trips."""
+    outcome = run_secure_aggregation(
+        transport,
+        [update.node_id for update in updates],
+        ArrayLayout.of(global_arrays),
+        config,
+        message_type=TRAIN_SECAGG,
+        round_id=server_round,
+        timeout=timeout,
+        log=log,
+    )
+    for node, reason in outcome.dropouts.items():
+        kept = " (its update is in the aggregate)" if node in outcome.included else ""
+        failures.append(f"node {node}: secure aggregation: {reason}{kept}")
+        log(f"[fedfm] node {node} left secure aggregation: {reason}{kept}")
+    included = [update for update in updates if update.node_id in outcome.included]
+    weight = sum(update.num_examples for update in included)
+    if weight != outcome.total_weight:
+        raise ProtocolError(
+            f"round {server_round}: the secure aggregate weighs {outcome.total_weight} examples, "
+            f"but its clients reported {weight}: some client masked another weight"
+        )
+    aggregate = SecureAggregate(
+        arrays={
+            name: (value + outcome.arrays[name]).astype(value.dtype)
+            for name, value in global_arrays.items()
+        },
+        total_weight=weight,
+        included=outcome.included,
+        train_loss=sum(u.train_loss * u.num_examples for u in included) / weight,
+    )
+    return aggregate, outcome.round_trips
+
+
 def save_state(path: Path, state: RunState, identity: dict[str, Any]) -> None:
     """Write the global arrays (npz) and the history (JSON) atomically."""
     path.mkdir(parents=True, exist_ok=True)
@@ -192,12 +278,19 @@ def run_double_blind(
     checkpoint_dir: Path | None = None,
     identity: dict[str, Any] | None = None,
     timeout: float | None = None,
+    secagg_timeout: float | None = None,
     min_clients: int = 1,
     log: Callable[[str], None] = print,
 ) -> list[RoundRecord]:
-    """Run setup and all rounds; return the history (one record per round)."""
+    """Run setup and all rounds; return the history (one record per round).
+
+    ``timeout`` bounds each round trip of setup, training and evaluation, ``secagg_timeout``
+    each SecAgg stage (``None``: no limit). A client that does not answer in time leaves the
+    round.
+    """
     aggregator = aggregator or WeightedAverage()
     config = server.config
+    needed = max(min_clients, MIN_SECURE_AGGREGATE) if config.secure_aggregation else min_clients
     identity = identity or {"config": config.to_config()}
     log(
         f"[fedfm] double-blind adaptation: backend={config.backend}, {len(node_ids)} clients, "
@@ -237,12 +330,34 @@ def run_double_blind(
             server, "train", active, server_round, state.global_arrays, **phase
         )
         updates = [u for u in outcomes if isinstance(u, ClientUpdate)]
-        if len(updates) < min_clients:
+        if len(updates) < needed:
+            secure = " (secure aggregation needs 2 at least)" if needed > min_clients else ""
             raise ProtocolError(
                 f"round {server_round}: {len(updates)} clients finished training, need "
-                f"{min_clients}; failures: {'; '.join(failures) or 'none'}"
+                f"{needed}{secure}; failures: {'; '.join(failures) or 'none'}"
             )
-        state.global_arrays = aggregator.aggregate(server_round, state.global_arrays, updates)
+        secagg_trips = 0
+        if config.secure_aggregation:
+            aggregate, secagg_trips = _secure_aggregate(
+                transport,
+                updates,
+                state.global_arrays,
+                config=config.secagg_config(min_clients),
+                server_round=server_round,
+                timeout=secagg_timeout,
+                failures=failures,
+                log=log,
+            )
+            state.global_arrays = aggregator.aggregate_secure(
+                server_round, state.global_arrays, aggregate
+            )
+            clients_trained, train_loss = len(aggregate.included), aggregate.train_loss
+        else:
+            state.global_arrays = aggregator.aggregate(server_round, state.global_arrays, updates)
+            clients_trained = len(updates)
+            train_loss = sum(u.train_loss * u.num_examples for u in updates) / sum(
+                u.num_examples for u in updates
+            )
         results, eval_trips = _phase(
             server, "evaluate", active, server_round, state.global_arrays, **phase
         )
@@ -252,17 +367,14 @@ def run_double_blind(
         )
         record = RoundRecord(
             round=server_round,
-            train_loss=float(
-                sum(u.train_loss * u.num_examples for u in updates)
-                / sum(u.num_examples for u in updates)
-            ),
+            train_loss=float(train_loss),
             balanced_accuracy=balanced_accuracy(confusion),
             accuracy=float(np.trace(confusion) / max(confusion.sum(), 1)),
-            clients_trained=len(updates),
+            clients_trained=clients_trained,
             clients_evaluated=len(results),
             failures=failures,
             seconds=time.perf_counter() - started,
-            round_trips=train_trips + eval_trips,
+            round_trips=train_trips + secagg_trips + eval_trips,
         )
         state.history.append(record)
         state.round = server_round

@@ -10,8 +10,10 @@ fresh permutation ``pi_l`` and send it; the client re-encrypts and returns it. W
 block go the relative permutations. The client answers with encrypted ``softmax`` and
 ``log_softmax`` of its logits (rows in order ``pi_{L+1}``); the server permutes its encrypted
 one-hot labels into the same order and returns the encrypted mean cross-entropy and logit
-gradient. What the server sees: ciphertexts, their sizes, the number of samples per client and,
-after aggregation, the global adapter and head (secure aggregation will hide individual updates).
+gradient. What the server sees: ciphertexts, their sizes, the number of samples per client and
+its training loss, and after aggregation the global adapter and head. With secure aggregation
+(the default) the ``train.loss`` reply carries no parameters and the server learns only the
+weighted average of the round's updates (:mod:`fedfm.protocols.secure_aggregation`).
 
 With an encrypted backend the server's evaluation runs out of depth inside a block; each stage
 (batch selection, a block, the loss) is then a generator that sends ``query.refresh`` requests
@@ -67,7 +69,11 @@ from fedfm.protocols.transport import Envelope
 
 @dataclass(frozen=True)
 class ClientUpdate:
-    """A client's trained adapter and head after a round (what aggregation combines)."""
+    """A client's trained adapter and head after a round (what aggregation combines).
+
+    Under secure aggregation ``arrays`` is empty: the client keeps its update for the SecAgg
+    stages and the server knows only its number of examples and training loss.
+    """
 
     node_id: int
     arrays: dict[str, np.ndarray]
@@ -418,7 +424,12 @@ class DoubleBlindServer:
             raise ProtocolError(f"train.loss reply from node {reply.node_id} before its loss step")
         session.in_flight = None
         arrays = unpack_arrays(reply, "params")
-        if not arrays:
+        if self.config.secure_aggregation and arrays:
+            raise ProtocolError(
+                f"update from node {reply.node_id} carries parameters although secure "
+                "aggregation is on"
+            )
+        if not self.config.secure_aggregation and not arrays:
             raise ProtocolError(f"update from node {reply.node_id} carries no parameters")
         return ClientUpdate(
             reply.node_id,

@@ -38,6 +38,12 @@ DEFAULTS: dict[str, RunValue] = {
     "eval-fraction": 0.2,
     "reveal": "all",
     "seed": 0,
+    # secure aggregation of the clients' updates (fedfm.secagg)
+    "secure-aggregation": True,
+    "secagg-clipping-range": 1.0,
+    "secagg-bits": 24,
+    "secagg-neighbours": 0,
+    "secagg-threshold": 0,
     # data and federation
     "dataset": "digits",
     "data-root": "",
@@ -55,6 +61,7 @@ DEFAULTS: dict[str, RunValue] = {
     # the ServerApp's driver
     "strategy": "fedavg",
     "timeout": 300.0,
+    "secagg-timeout": 30.0,
     "connect-timeout": 60.0,
     "min-clients": 1,
     "checkpoint-dir": "",
@@ -77,6 +84,9 @@ class AppSettings:
         ``fedavg``, ``fedadam``, ``fedprox`` or ``module:attribute`` naming a Flower strategy.
     timeout:
         Seconds to wait for the replies of one round trip; ``None`` waits as long as it takes.
+    secagg_timeout:
+        The same for each SecAgg stage (cheap for the clients, so shorter: a client that stops
+        answering delays the round by this much, not by ``timeout``).
     connect_timeout:
         Seconds the ServerApp waits for ``num_clients`` nodes to connect.
     min_clients:
@@ -91,6 +101,7 @@ class AppSettings:
     federation: Federation
     strategy: str
     timeout: float | None
+    secagg_timeout: float | None
     connect_timeout: float
     min_clients: int
     checkpoint_dir: Path | None
@@ -145,6 +156,11 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         eval_fraction=float(v["eval-fraction"]),
         reveal=str(v["reveal"]),
         seed=seed,
+        secure_aggregation=bool(v["secure-aggregation"]),
+        secagg_clipping_range=float(v["secagg-clipping-range"]),
+        secagg_bits=int(v["secagg-bits"]),
+        secagg_neighbours=int(v["secagg-neighbours"]),
+        secagg_threshold=int(v["secagg-threshold"]),
     )
     federation = Federation(
         num_clients=int(v["num-clients"]),
@@ -152,9 +168,11 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         alpha=float(v["dirichlet-alpha"]),
         seed=seed,
     )
-    timeout = float(v["timeout"])
-    if timeout < 0 or float(v["connect-timeout"]) < 0:
-        raise ConfigError("timeouts must be >= 0 (a 'timeout' of 0 means no timeout)")
+    timeout, secagg_timeout = float(v["timeout"]), float(v["secagg-timeout"])
+    if min(timeout, secagg_timeout, float(v["connect-timeout"])) < 0:
+        raise ConfigError(
+            "timeouts must be >= 0 (a 'timeout' or 'secagg-timeout' of 0 means no timeout)"
+        )
     if int(v["min-clients"]) < 1:
         raise ConfigError(f"min-clients must be >= 1, got {v['min-clients']}")
     return AppSettings(
@@ -163,6 +181,7 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         federation=federation,
         strategy=str(v["strategy"]),
         timeout=timeout or None,
+        secagg_timeout=secagg_timeout or None,
         connect_timeout=float(v["connect-timeout"]),
         min_clients=int(v["min-clients"]),
         checkpoint_dir=Path(str(v["checkpoint-dir"])) if v["checkpoint-dir"] else None,
