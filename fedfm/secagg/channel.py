@@ -56,10 +56,15 @@ def agree(private_key: bytes, peer_public_key: bytes) -> bytes:
         raise ProtocolError(f"key agreement failed: {error}") from error
 
 
+def hkdf_sha256(secret: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
+    """``length`` bytes of HKDF-SHA256 output (no salt) for the context string ``info``."""
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
+
+
 def derive_key(secret: bytes, purpose: bytes, round_id: int, *node_ids: int) -> bytes:
     """A 32-byte key for ``purpose`` in ``round_id`` between ``node_ids`` (HKDF-SHA256)."""
     info = PROTOCOL_LABEL + b"|" + purpose + b"|" + _encode_ids(round_id, node_ids)
-    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+    return hkdf_sha256(secret, info)
 
 
 def share_associated_data(round_id: int, sender: int, receiver: int) -> bytes:
