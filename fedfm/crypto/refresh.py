@@ -87,6 +87,8 @@ MIN_HIDING_BITS = 40
 # |e u| + |e1 s| <= 2 * 19 N (errors clipped at 6 sigma = 19.2, ternary u, s), plus rounding.
 FRESH_NOISE_PER_DEGREE = 64
 _WORD = 1 << 64
+# Bytes of mask material a server keeps made ahead per data owner.
+MASK_MATERIAL_BUDGET = 256 << 20
 _SCALE_TOLERANCE = 1e-12
 
 Ciphertext = Any  # sealapi.Ciphertext, or the same SEAL type as held by TenSEAL
@@ -428,14 +430,18 @@ class RefreshServer(_OnChain):
 
 
 class _MaskSupply:
-    """Mask material made ahead by the worker pool, ``ahead`` pieces in flight or ready."""
+    """Mask material made ahead by the worker pool: as many pieces in flight or ready as
+    :data:`MASK_MATERIAL_BUDGET` holds (about 550 at N = 8192, 150 at N = 16384)."""
 
-    def __init__(self, server: RefreshServer, pool: WorkerPool, ahead: int = 64) -> None:
+    def __init__(self, server: RefreshServer, pool: WorkerPool) -> None:
         self._public = server.public_context_bytes
         self._server = server
         self._workers: WorkerPool | None = pool
         self._chunk = 16
-        self._ahead = ahead
+        chain = server._chain
+        # one piece: (r, 0) + Enc(0) at the refresh level and -r at the top level, in words
+        words = (2 * 2 + len(chain.top_primes)) * chain.degree
+        self._ahead = max(self._chunk, MASK_MATERIAL_BUDGET // (8 * words))
         self.supplied = 0  # pieces the worker made (the rest were made in-process)
         self._ready: deque[MaskMaterial] = deque()
         self._pending: deque[Future[list[tuple[bytes, bytes]]]] = deque()
