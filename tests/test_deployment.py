@@ -72,7 +72,13 @@ def student_dir(tmp_path_factory) -> Path:
 
 
 def run_config(student_dir: Path, checkpoint: Path, **changes: object) -> dict[str, object]:
-    """One round of one batch on the micro model with three clients, checkpointed."""
+    """One round of one batch on the micro model with three clients, checkpointed.
+
+    Every round trip starts a ClientApp process per node (10-30 s on a loaded 2-core machine),
+    and Flower drops a message whose TTL (the round trip's timeout) has passed: the secure
+    aggregation stages get the same timeout as the other round trips.
+    """
+    timeout = float(changes.get("timeout", 180.0))  # type: ignore[arg-type]
     values: dict[str, object] = {
         "num-clients": NODES,
         "rounds": 1,
@@ -83,9 +89,10 @@ def run_config(student_dir: Path, checkpoint: Path, **changes: object) -> dict[s
         "partition": "iid",
         "workdir": str(student_dir),
         "cache-dir": str(student_dir / "cache"),
-        "timeout": 180.0,
+        "timeout": timeout,
         "connect-timeout": 60.0,
         "checkpoint-dir": str(checkpoint),
+        "secagg-timeout": timeout,
     }
     return values | changes
 
@@ -302,7 +309,9 @@ def test_three_supernodes_run_a_round_under_ckks(federation, student_dir, tmp_pa
 
 # -- a SuperNode killed mid-run ------------------------------------------------------------------
 
-KILL_TIMEOUT = 45.0  # the run config's round-trip timeout in the kill test
+# The run config's round-trip timeout in the kill test: long enough for the live nodes' round
+# trips on a loaded machine, about when Flower itself declares a killed node unavailable.
+KILL_TIMEOUT = 60.0
 
 
 def wait_for_line(node, text: str, *, count: int = 1, seconds: float = 300.0) -> float:
@@ -371,3 +380,73 @@ def test_a_killed_supernode_leaves_the_run_which_completes_without_it(
     finally:
         federation.close()
     assert federation.processes() == []
+
+
+# -- the multi-party runtime on the Deployment Engine -------------------------------------------
+
+
+def test_a_runtime_protocol_runs_with_roles_identities_and_pins_from_node_config(
+    deploy, credentials, tmp_path
+) -> None:
+    """The masked-sum example of the runtime (``simulations/runtime_demo``) across three
+    SuperNodes, each site configured only by its own ``--node-config``: its role, its identity
+    key file and the pinned fingerprints of the other roles (nothing in the run config). Every
+    message runs in a fresh ClientApp process, so the session keys and sequence numbers must
+    survive in ``context.state``: alice publishes the exact sum, and the ServerApp, which relays
+    every frame, never sees either vector."""
+    import numpy as np
+
+    from fedfm.runtime import create_identity_file, format_pins
+
+    _, local_federation = deploy
+    roles = ("alice", "bob", "carol")
+    sites = {role: tmp_path / role for role in roles}
+    fingerprints = {}
+    for role, folder in sites.items():
+        folder.mkdir()
+        fingerprints[role] = create_identity_file(folder / "identity.key")
+    rng = np.random.default_rng(7)
+    vectors = {role: rng.integers(-(2**40), 2**40, size=16) for role in roles[:2]}
+    for role, vector in vectors.items():
+        (sites[role] / "inputs").mkdir()
+        np.savez(sites[role] / "inputs" / f"{role}.npz", x=vector)
+
+    federation = local_federation.LocalFederation(tmp_path / "federation", credentials)
+    try:
+        federation.start_superlink()
+        federation.register_all(NODES)
+        for index, role in enumerate(roles):
+            site = {
+                "roles": role,
+                "identity-key": str(sites[role] / "identity.key"),
+                "pins": format_pins({r: fp for r, fp in fingerprints.items() if r != role}),
+            }
+            if role in vectors:
+                site["inputs-dir"] = str(sites[role] / "inputs")
+            federation.start_supernode(
+                index,
+                num_partitions=NODES,
+                private_key=credentials.node_keys[index],
+                root_certificates=credentials.ca_cert,
+                node_config=site,
+            )
+        federation.wait_for_nodes(NODES)
+        result_file = tmp_path / "result.json"
+        run_id = federation.submit(
+            {"results-file": str(result_file), "timeout": 180.0},
+            app=ROOT / "simulations" / "runtime_demo",
+        )
+        status = federation.wait_for_run(run_id, seconds=600)
+        log = federation.run_log(run_id)
+        assert status == "finished:completed", log[-3000:]
+    finally:
+        federation.close()
+    assert federation.processes() == []
+
+    result = json.loads(result_file.read_text())
+    published = result["outputs"]["alice"]["sum"]["values"]
+    assert published == (vectors["alice"] + vectors["bob"]).tolist()
+    # what the relay wrote down about the run names neither private vector
+    relay_view = result_file.read_text() + log
+    for vector in vectors.values():
+        assert str(vector.tolist()[0]) not in relay_view

@@ -357,6 +357,32 @@ def test_a_substituted_public_key_is_detected() -> None:
         federation.run()
 
 
+def test_a_site_pins_only_its_peers_and_a_pin_for_its_own_role_must_be_its_identity() -> None:
+    """As on the Deployment Engine, where each site's node config pins the other roles only."""
+    values = inputs(length=8)
+    federation = InProcessFederation(masked_sum(), values)
+    for number, node in federation.nodes.items():
+        own = node.runtime.roles
+        node.runtime = NodeRuntime(
+            masked_sum(),
+            roles=own,
+            identity=federation.identities[number],
+            pins={role: pin for role, pin in federation.pins.items() if role not in own},
+            inputs=node.runtime.inputs,
+        )
+    result = federation.run()
+    np.testing.assert_array_equal(
+        result.outputs["alice"]["sum"], values["alice"]["x"] + values["bob"]["x"]
+    )
+    with pytest.raises(ConfigError, match=r"role 'alice' is pinned to identity .* wrong identity"):
+        NodeRuntime(
+            masked_sum(),
+            roles=frozenset({"alice"}),
+            identity=federation.identities[2],  # bob's key with alice's settings
+            pins=federation.pins,
+        )
+
+
 def test_peers_given_different_parameters_find_out_before_sending() -> None:
     federation = InProcessFederation(chatter(words=3), WORDS)
     listener = federation.node_of("listener").runtime

@@ -96,6 +96,26 @@ class NodeState:
         return state
 
 
+def _with_own_roles(
+    pins: Mapping[str, str], roles: frozenset[str], identity: Identity | None
+) -> dict[str, str]:
+    """``pins`` with the node's own roles pinned to its own identity.
+
+    A site's pins name its peers; its own roles need no pin (it knows its identity), but a pin
+    given for one of them must be its identity, or the node was handed another site's settings.
+    """
+    if identity is None:
+        return dict(pins)
+    own = identity.fingerprint
+    for role in sorted(roles):
+        if pins.get(role, own) != own:
+            raise ConfigError(
+                f"role {role!r} is pinned to identity {pins[role][:16]}..., but this node's "
+                f"identity is {own[:16]}...: wrong identity key or pins for this site"
+            )
+    return {**pins, **dict.fromkeys(roles, own)}
+
+
 class NodeRuntime:
     """The roles ``roles`` of ``protocol`` on one node.
 
@@ -134,7 +154,7 @@ class NodeRuntime:
         if roles and identity is None:
             raise ConfigError("a node that plays a role needs an identity key")
         self.protocol, self.roles, self.identity = protocol, roles, identity
-        self.pins, self.inputs = dict(pins), inputs
+        self.pins, self.inputs = _with_own_roles(pins, roles, identity), inputs
         self.digest = protocol.digest()
 
     def handle(self, envelope: Envelope, state: NodeState) -> tuple[Envelope, NodeState]:

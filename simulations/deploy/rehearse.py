@@ -37,6 +37,8 @@ from certificates import make_credentials
 from flwr.common.config import parse_config_args
 from local_federation import APP, COMPLETED, ROOT, DeploymentError, LocalFederation, RunValue
 
+from fedfm.protocols.double_blind.settings import DEFAULTS
+
 
 def _say(line: str) -> None:
     print(f"[rehearse] {line}", flush=True)
@@ -72,6 +74,9 @@ def rehearse(workspace: Path, nodes: int, overrides: dict[str, RunValue], *, kee
             "workdir": str(ROOT / "runs" / "distill"),
             "cache-dir": str(ROOT / "runs" / "cache"),
         }
+        # each message starts a ClientApp process (10-30 s under load); Flower drops a
+        # message after its timeout, so the 30-s default of the SecAgg stages is too short
+        config["secagg-timeout"] = float(overrides.get("timeout", DEFAULTS["timeout"]))
         config.update(overrides)
         run_id = federation.submit(config, APP)
         _say(f"run {run_id} submitted; its log follows")
