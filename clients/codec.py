@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedfm.errors import ProtocolError
+from fedfm.errors import ConfigError, ProtocolError
 from fedfm.protocols.transport import ConfigValue, Envelope
 
 ARRAYS = "fedfm.arrays"
@@ -40,6 +40,36 @@ def to_config_record(config: Mapping[str, ConfigValue]) -> ConfigRecord:
                 "int, float, str, bytes and bool"
             )
     return ConfigRecord(dict(config))
+
+
+def save_records(
+    record_dict: RecordDict,
+    names: tuple[str, str],
+    arrays: Mapping[str, np.ndarray],
+    config: Mapping[str, ConfigValue],
+) -> None:
+    """Keep ``arrays`` and ``config`` in ``record_dict`` (a ``context.state``) under ``names``
+    (the arrays' record name, the config's), replacing what was there."""
+    record_dict[names[0]] = to_array_record(arrays)
+    record_dict[names[1]] = ConfigRecord(dict(config))
+
+
+def load_records(
+    record_dict: RecordDict, names: tuple[str, str]
+) -> tuple[dict[str, np.ndarray], dict[str, ConfigValue]] | None:
+    """What :func:`save_records` kept under ``names``; ``None`` if nothing was.
+
+    Raises
+    ------
+    ConfigError
+        If only one of the two records is there, or one has the wrong type.
+    """
+    arrays, config = record_dict.get(names[0]), record_dict.get(names[1])
+    if arrays is None and config is None:
+        return None
+    if not isinstance(arrays, ArrayRecord) or not isinstance(config, ConfigRecord):
+        raise ConfigError(f"context.state holds a damaged {names[1]!r}/{names[0]!r} pair")
+    return from_array_record(arrays), dict(config)  # type: ignore[arg-type]
 
 
 def _content(envelope: Envelope) -> RecordDict:

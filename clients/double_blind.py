@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from logging import WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
@@ -40,13 +40,12 @@ from fedfm.protocols.double_blind.runner import Federation, federation_data
 from fedfm.protocols.double_blind.settings import app_settings
 from fedfm_clients.codec import (
     envelope_to_reply,
-    from_array_record,
+    load_records,
     message_to_envelope,
-    to_array_record,
+    save_records,
 )
 
-STATE_ARRAYS = "fedfm.double_blind.arrays"
-STATE_CONFIG = "fedfm.double_blind.state"
+STATE_RECORDS = ("fedfm.double_blind.arrays", "fedfm.double_blind.state")  # arrays, config
 _SCALARS = ("stage", "round", "block")
 
 
@@ -54,24 +53,22 @@ def save_state(state: ClientState, record_dict: RecordDict) -> None:
     """Write ``state`` into ``record_dict`` (a ``context.state``), replacing the previous one."""
     config = {name: getattr(state, name) for name in _SCALARS}
     config.update({f"config.{key}": value for key, value in state.config.items()})
-    record_dict[STATE_ARRAYS] = to_array_record(state.arrays)
-    record_dict[STATE_CONFIG] = ConfigRecord(config)
+    save_records(record_dict, STATE_RECORDS, state.arrays, config)
 
 
 def load_state(record_dict: RecordDict) -> ClientState:
     """The state saved by :func:`save_state`; a new client's state if there is none."""
-    arrays, config = record_dict.get(STATE_ARRAYS), record_dict.get(STATE_CONFIG)
-    if arrays is None and config is None:
+    records = load_records(record_dict, STATE_RECORDS)
+    if records is None:
         return ClientState()
-    if not isinstance(arrays, ArrayRecord) or not isinstance(config, ConfigRecord):
-        raise ConfigError(f"context.state holds a damaged {STATE_CONFIG!r}/{STATE_ARRAYS!r} pair")
+    arrays, config = records
     prefix = "config."
     return ClientState(
         stage=str(config["stage"]),
         round=int(config["round"]),
         block=int(config["block"]),
         config={k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)},
-        arrays=from_array_record(arrays),
+        arrays=arrays,
     )
 
 

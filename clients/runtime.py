@@ -15,40 +15,33 @@ from __future__ import annotations
 
 from logging import WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
 
-from fedfm.errors import ConfigError, FedfmError
+from fedfm.errors import FedfmError
 from fedfm.runtime import NodeRuntime, NodeState, ProtocolFactory, node_settings, split_run_config
 from fedfm.runtime.messages import HELLO, STEP
 from fedfm_clients.codec import (
     envelope_to_reply,
-    from_array_record,
+    load_records,
     message_to_envelope,
-    to_array_record,
+    save_records,
 )
 
-STATE_ARRAYS = "fedfm.runtime.arrays"
-STATE_CONFIG = "fedfm.runtime.state"
+STATE_RECORDS = ("fedfm.runtime.arrays", "fedfm.runtime.state")  # context.state: arrays, config
 
 
 def save_state(state: NodeState, record_dict: RecordDict) -> None:
     """Write ``state`` into ``record_dict`` (a ``context.state``), replacing the previous one."""
-    arrays, config = state.to_records()
-    record_dict[STATE_ARRAYS] = to_array_record(arrays)
-    record_dict[STATE_CONFIG] = ConfigRecord(config)
+    save_records(record_dict, STATE_RECORDS, *state.to_records())
 
 
 def load_state(record_dict: RecordDict) -> NodeState:
     """The state saved by :func:`save_state`; a fresh node's state if there is none."""
-    arrays, config = record_dict.get(STATE_ARRAYS), record_dict.get(STATE_CONFIG)
-    if arrays is None and config is None:
-        return NodeState()
-    if not isinstance(arrays, ArrayRecord) or not isinstance(config, ConfigRecord):
-        raise ConfigError(f"context.state holds a damaged {STATE_CONFIG!r}/{STATE_ARRAYS!r} pair")
-    return NodeState.from_records(from_array_record(arrays), dict(config))  # type: ignore[arg-type]
+    records = load_records(record_dict, STATE_RECORDS)
+    return NodeState() if records is None else NodeState.from_records(*records)
 
 
 def node_runtime(build_protocol: ProtocolFactory, context: Context) -> NodeRuntime:
