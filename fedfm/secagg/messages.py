@@ -227,16 +227,17 @@ class ShareKeysRequest:
 
 
 @dataclass(frozen=True)
-class ShareKeysReply:
-    """Stage 2, client to server: one share ciphertext per neighbour (receiver id to bytes)."""
+class _ShareCiphertexts:
+    """Share ciphertexts by the id of the node at the other end (``ids_name`` says which)."""
 
-    stage: ClassVar[str] = SHARE_KEYS
-    direction: ClassVar[str] = "reply"
+    stage: ClassVar[str]
+    direction: ClassVar[str]
+    ids_name: ClassVar[str]
     round_id: int
     ciphertexts: ArrayRows
 
     def to_records(self) -> tuple[Arrays, Config]:
-        arrays = _rows_by_id("receiver_ids", "ciphertexts", self.ciphertexts, CIPHERTEXT_BYTES)
+        arrays = _rows_by_id(self.ids_name, "ciphertexts", self.ciphertexts, CIPHERTEXT_BYTES)
         return arrays, _base_config(self.stage, self.round_id)
 
     @classmethod
@@ -244,13 +245,22 @@ class ShareKeysReply:
         cls, arrays: Mapping[str, np.ndarray], config: Mapping[str, ConfigValue]
     ) -> Self:
         what = f"{cls.stage} {cls.direction}"
-        round_id = _header(arrays, config, cls, ("receiver_ids", "ciphertexts"))
-        rows = _read_rows_by_id(arrays, "receiver_ids", "ciphertexts", CIPHERTEXT_BYTES, what)
+        round_id = _header(arrays, config, cls, (cls.ids_name, "ciphertexts"))
+        rows = _read_rows_by_id(arrays, cls.ids_name, "ciphertexts", CIPHERTEXT_BYTES, what)
         return cls(round_id, rows)
 
 
 @dataclass(frozen=True)
-class MaskedInputRequest:
+class ShareKeysReply(_ShareCiphertexts):
+    """Stage 2, client to server: one share ciphertext per neighbour (receiver id to bytes)."""
+
+    stage: ClassVar[str] = SHARE_KEYS
+    direction: ClassVar[str] = "reply"
+    ids_name: ClassVar[str] = "receiver_ids"
+
+
+@dataclass(frozen=True)
+class MaskedInputRequest(_ShareCiphertexts):
     """Stage 3, server to client: the share ciphertexts addressed to it (sender id to bytes).
 
     The senders are the neighbours that completed ``share_keys``; the client masks with exactly
@@ -259,21 +269,7 @@ class MaskedInputRequest:
 
     stage: ClassVar[str] = COLLECT_MASKED_INPUT
     direction: ClassVar[str] = "request"
-    round_id: int
-    ciphertexts: ArrayRows
-
-    def to_records(self) -> tuple[Arrays, Config]:
-        arrays = _rows_by_id("sender_ids", "ciphertexts", self.ciphertexts, CIPHERTEXT_BYTES)
-        return arrays, _base_config(self.stage, self.round_id)
-
-    @classmethod
-    def from_records(
-        cls, arrays: Mapping[str, np.ndarray], config: Mapping[str, ConfigValue]
-    ) -> Self:
-        what = f"{cls.stage} {cls.direction}"
-        round_id = _header(arrays, config, cls, ("sender_ids", "ciphertexts"))
-        rows = _read_rows_by_id(arrays, "sender_ids", "ciphertexts", CIPHERTEXT_BYTES, what)
-        return cls(round_id, rows)
+    ids_name: ClassVar[str] = "sender_ids"
 
 
 @dataclass(frozen=True)
