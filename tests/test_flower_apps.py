@@ -234,7 +234,7 @@ def test_client_state_round_trips_through_context_state() -> None:
         np.testing.assert_array_equal(restored.arrays[name], array)
     # half a state (one record lost) is refused by name, not read as a fresh client
     del context.state["fedfm.double_blind.arrays"]
-    with pytest.raises(ConfigError, match="damaged 'fedfm.double_blind.state'"):
+    with pytest.raises(ConfigError, match=r"damaged 'fedfm\.double_blind\.state'"):
         load_state(context.state)
 
 
