@@ -382,6 +382,57 @@ def _bench_runtime(args: argparse.Namespace) -> None:
     )
 
 
+def _helix_data_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ridge", type=float, default=0.1, help="ridge coefficient lambda")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the docstring draw")
+    parser.add_argument("--public-size", type=int, default=2048, help="public docstrings")
+    parser.add_argument("--train-per-class", type=int, default=200, help="provider's, per class")
+    parser.add_argument("--queries-per-class", type=int, default=100, help="client's, per class")
+    parser.add_argument("--ood-size", type=int, default=700, help="OOD docstrings")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path("runs/helix-cache"), help="embedding cache"
+    )
+    parser.add_argument("--results-dir", type=Path, default=Path("results"))
+
+
+def _helix_data_options(args: argparse.Namespace) -> dict:
+    return {
+        "ridge": args.ridge,
+        "seed": args.seed,
+        "public_size": args.public_size,
+        "train_per_class": args.train_per_class,
+        "queries_per_class": args.queries_per_class,
+        "ood_size": args.ood_size,
+        "results_dir": args.results_dir,
+        "cache_dir": args.cache_dir,
+        "command": args.command_line,
+    }
+
+
+def _helix_eval(args: argparse.Namespace) -> None:
+    from fedfm.errors import ConfigError
+    from fedfm.helix.evaluation import run_helix_evaluation
+
+    pairs = [tuple(pair.split(",")) for pair in args.pairs]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ConfigError(f"--pairs takes 'provider,client' encoder pairs, got {args.pairs}")
+    run_helix_evaluation(
+        pairs=pairs, repeats=args.repeats, shadows=args.shadows, **_helix_data_options(args)
+    )
+
+
+def _bench_helix(args: argparse.Namespace) -> None:
+    from fedfm.helix.bench import run_helix_benchmark
+
+    run_helix_benchmark(
+        provider_spec=args.provider,
+        client_spec=args.client,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+        **_helix_data_options(args),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedfm", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -512,6 +563,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_runtime.add_argument("--results-dir", type=Path, default=Path("results"))
     bench_runtime.set_defaults(handler=_bench_runtime)
+
+    helix_eval = commands.add_parser(
+        "helix-eval", help="HELIX: Tables 1/4 accuracy and OOD AUROC, App. J membership inference"
+    )
+    _helix_data_arguments(helix_eval)
+    helix_eval.add_argument(
+        "--pairs",
+        nargs="+",
+        default=["minilm,lsa", "lsa,minilm"],
+        help="provider,client encoder pairs: minilm, lsa[:<dims>], hf:<name|path>",
+    )
+    helix_eval.add_argument("--repeats", type=int, default=3, help="few-shot draws per setting")
+    helix_eval.add_argument("--shadows", type=int, default=100, help="App. J shadow mappers")
+    helix_eval.set_defaults(handler=_helix_eval)
+
+    bench_helix = commands.add_parser(
+        "bench-helix", help="HELIX inference: ms and bytes per query, encrypted vs plaintext"
+    )
+    _helix_data_arguments(bench_helix)
+    bench_helix.add_argument("--provider", default="minilm", help="provider's encoder")
+    bench_helix.add_argument("--client", default="lsa", help="client's encoder")
+    bench_helix.add_argument("--batch-size", type=int, default=4096, help="queries per batch")
+    bench_helix.add_argument("--repeats", type=int, default=3, help="runs per configuration")
+    bench_helix.set_defaults(handler=_bench_helix)
     return parser
 
 

@@ -87,7 +87,7 @@ def _proto_bytes_field(number: int, value: bytes) -> bytes:
             return bytes(header) + value
 
 
-def _fingerprint(context: ts.Context) -> bytes:
+def context_fingerprint(context: ts.Context) -> bytes:
     """Public identity of a key: hash of the parameters, scale and public key (no eval keys)."""
     identity = context.serialize(
         save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False
@@ -95,7 +95,7 @@ def _fingerprint(context: ts.Context) -> bytes:
     return hashlib.sha256(b"fedfm-ckks-key" + identity).digest()[:_FINGERPRINT_BYTES]
 
 
-def _check_parameters(context: ts.Context, params: CkksParameters) -> None:
+def check_context_parameters(context: ts.Context, params: CkksParameters) -> None:
     """Refuse a context whose ring, modulus chain or scale differ from ``params``."""
     parms = context.seal_context().data.key_context_data().parms()
     found = (
@@ -110,7 +110,7 @@ def _check_parameters(context: ts.Context, params: CkksParameters) -> None:
         )
 
 
-def _public_context(context: ts.Context, steps: list[int]) -> bytes:
+def public_context_bytes(context: ts.Context, steps: list[int]) -> bytes:
     """``context`` serialized without its secret key, with relin keys and Galois keys for ``steps``.
 
     TenSEAL 0.3.18 can only generate its full default Galois set, so the keys come from SEAL's
@@ -132,7 +132,7 @@ def _public_context(context: ts.Context, steps: list[int]) -> bytes:
     return base + _proto_bytes_field(2, keys)
 
 
-def _context_from(data: bytes, what: str) -> ts.Context:
+def context_from_bytes(data: bytes, what: str) -> ts.Context:
     try:
         return ts.context_from(data)
     except Exception as error:  # TenSEAL raises several types for malformed bytes
@@ -311,7 +311,7 @@ class CkksKeyOwner(KeyOwner):
             raise CryptoParameterError("a CKKS key owner needs a context with its secret key")
         self._context = context
         self._public_context = public_context
-        self.fingerprint = _fingerprint(context)
+        self.fingerprint = context_fingerprint(context)
         self._seal = context.seal_context().data
         self._encoder = sealapi.CKKSEncoder(self._seal)
         self._encryptor = sealapi.Encryptor(self._seal, context.secret_key().data)
@@ -370,13 +370,13 @@ class CkksKeyOwner(KeyOwner):
         if pool is not None:
             try:
                 fresh_parts = pool.map_chunks(refresh_blobs, self._worker_context, parts)
-                return _list_payload(fresh_parts, self.fingerprint)
+                return list_payload(fresh_parts, self.fingerprint)
             except BrokenProcessPool as error:
                 _LOG.warning("refresh workers failed (%s); refreshing in-process", error)
                 discard_pool()
         masked = [self._io.load_ciphertext(part) for part in parts]
         fresh = self._refresher.refresh_many(masked)
-        return _list_payload([seal_bytes(ct) for ct in fresh], self.fingerprint)
+        return list_payload([seal_bytes(ct) for ct in fresh], self.fingerprint)
 
     @cached_property
     def _worker_context(self) -> bytes:
@@ -403,7 +403,7 @@ class CkksKeyOwner(KeyOwner):
         }
 
 
-def _list_payload(parts: list[bytes], fingerprint: bytes) -> dict[str, np.ndarray]:
+def list_payload(parts: list[bytes], fingerprint: bytes) -> dict[str, np.ndarray]:
     blob = _join(parts)
     count = np.asarray([len(parts)], dtype=np.int64)
     return {
@@ -441,7 +441,7 @@ def _split_checked(payload: dict[str, np.ndarray], fingerprint: bytes) -> list[b
     return parts
 
 
-def _load_list(payload: dict[str, np.ndarray], io: SealIO, fingerprint: bytes) -> list[Any]:
+def load_list(payload: dict[str, np.ndarray], io: SealIO, fingerprint: bytes) -> list[Any]:
     return [io.load_ciphertext(part) for part in _split_checked(payload, fingerprint)]
 
 
@@ -485,14 +485,14 @@ class CkksEvaluator(Evaluator):
         geometry: ModelGeometry | None,
         workers: int = 0,
     ) -> None:
-        context = _context_from(public_context, "public context")
+        context = context_from_bytes(public_context, "public context")
         if context.is_private():
             raise CryptoParameterError("refusing a public context that carries a secret key")
-        _check_parameters(context, params)
+        check_context_parameters(context, params)
         if not context.has_relin_keys():
             raise CryptoParameterError("public context lacks relinearization keys")
         self.params = params
-        self.fingerprint = _fingerprint(context)
+        self.fingerprint = context_fingerprint(context)
         refresher = RefreshServer(context, workers=workers)
         self.circuit = Circuit(context, refresher)
         self._packing = _Packing(self.circuit.slots, geometry)
@@ -514,10 +514,10 @@ class CkksEvaluator(Evaluator):
         return _load(payload, self._io, self.fingerprint, top_only=True)
 
     def refresh_payload(self, items: list[Any]) -> dict[str, np.ndarray]:
-        return _list_payload([item.to_bytes() for item in items], self.fingerprint)
+        return list_payload([item.to_bytes() for item in items], self.fingerprint)
 
     def refreshed(self, payload: dict[str, np.ndarray]) -> list[Any]:
-        fresh = _load_list(payload, self._io, self.fingerprint)
+        fresh = load_list(payload, self._io, self.fingerprint)
         top = self._io.seal_context.first_parms_id()
         if any(ct.parms_id() != top for ct in fresh):
             raise ProtocolError("a refreshed ciphertext is not at the top level")
@@ -652,15 +652,15 @@ class CkksBackend(CryptoBackend):
         steps = SlotLayout.for_tokens(
             self.params.slots, 1 if geometry is None else geometry.tokens
         ).rotation_steps()
-        return CkksKeyOwner(context, _public_context(context, steps), geometry, self.workers)
+        return CkksKeyOwner(context, public_context_bytes(context, steps), geometry, self.workers)
 
     def restore_key_owner(self, state: dict[str, np.ndarray]) -> CkksKeyOwner:
         try:
             private, geometry = state["context"], _geometry_from(state["geometry"])
         except KeyError as error:
             raise CryptoParameterError(f"CKKS key owner state lacks {error}") from None
-        context = _context_from(private.astype(np.uint8).tobytes(), "key owner state")
-        _check_parameters(context, self.params)
+        context = context_from_bytes(private.astype(np.uint8).tobytes(), "key owner state")
+        check_context_parameters(context, self.params)
         return CkksKeyOwner(context, None, geometry, self.workers)
 
     def create_evaluator(
