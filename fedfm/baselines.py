@@ -199,6 +199,7 @@ def run_full_finetune(
             params = [p for p in model.parameters() if p.requires_grad]
             buffers = momenta.setdefault(client, [torch.zeros_like(p) for p in params])
             steps = [chosen] if finetune.local_steps == "round" else np.split(chosen, count)
+            step_size = finetune.lr * config.lr_factor(server_round)
             step_losses = []
             for step in steps:
                 images = torch.from_numpy(data.train_images[step])
@@ -209,7 +210,7 @@ def run_full_finetune(
                 with torch.no_grad():
                     for parameter, velocity in zip(params, buffers, strict=True):
                         velocity.mul_(finetune.momentum).add_(parameter.grad)
-                        parameter -= finetune.lr * velocity
+                        parameter -= step_size * velocity
                 step_losses.append(loss.item())
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
             weights.append(count * n)

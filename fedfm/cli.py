@@ -189,6 +189,11 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> 
         help="SGD learning rate (default 0.05 for ours and linear probing, 0.0025 for full FT)",
     )
     group.add_argument(
+        "--lr-decay",
+        action="store_true",
+        help="the paper's schedule: learning rate x0.1 at 50%% and again at 80%% of the rounds",
+    )
+    group.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -246,6 +251,7 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
         rank=0 if method == "linear-probe" else args.rank,
         alpha=args.adapter_alpha,
         lr=protocol_lr,
+        lr_decay=args.lr_decay,
         seed=args.seed,
         backend=args.backend,
         reveal=args.reveal,

@@ -264,3 +264,35 @@ def test_bench_extraction_writes_attack_metrics(
     assert value[("a_naive_r2", "on")] < 0.2
     assert value[("perm_absolute_hits", "on")] == 0
     assert value[("b2_r2_residual", "on")] > 0.5
+
+
+def test_the_paper_schedule_divides_the_learning_rate_at_half_and_four_fifths() -> None:
+    decayed = DoubleBlindConfig(rounds=20, lr_decay=True)
+    assert [decayed.lr_factor(r) for r in range(1, 21)] == pytest.approx(
+        [1.0] * 10 + [0.1] * 6 + [0.01] * 4
+    )
+    assert {DoubleBlindConfig(rounds=20).lr_factor(r) for r in range(1, 21)} == {1.0}
+    assert DoubleBlindConfig.from_config(decayed.to_config()).lr_decay
+
+
+@pytest.mark.parametrize("method", ["ours", "full-finetune"])
+def test_every_method_steps_with_the_scheduled_learning_rate(
+    method: str, student: FheViT, splits: DataSplits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule that zeroes the second round's learning rate leaves the model as round 1 left
+    it: the protocol's client and the fine-tuning baseline both take their step size from
+    :meth:`DoubleBlindConfig.lr_factor` of the round they are in."""
+    asked: list[int] = []
+
+    def frozen_second_round(self: DoubleBlindConfig, server_round: int) -> float:
+        asked.append(server_round)
+        return 0.0 if server_round == 2 else 1.0
+
+    monkeypatch.setattr(DoubleBlindConfig, "lr_factor", frozen_second_round)
+    # plain replies: secure aggregation's stochastic rounding would move a zero update a little
+    config = replace(CONFIG, lr_decay=True, secure_aggregation=False)
+    history = run_adaptation(method, student, splits, config, FEDERATION, log=quiet).history
+    assert set(asked) == {1, 2}
+    first, second = history
+    assert second.balanced_accuracy == first.balanced_accuracy
+    assert second.accuracy == first.accuracy

@@ -259,7 +259,7 @@ class DoubleBlindClient:
                     )
                     + parameter.grad
                 )
-                parameter -= config.lr * velocity
+                parameter -= config.lr * config.lr_factor(state.round) * velocity
                 new_momentum[name] = velocity.numpy().copy()
         params = model.get_arrays()
         train_loss = float(np.mean([key.decrypt(loss)[0] for loss in losses]))

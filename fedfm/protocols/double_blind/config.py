@@ -52,6 +52,9 @@ class DoubleBlindConfig:
         Adapter rank (0: linear probing, no adapter) and scale (Eq. 5).
     lr, momentum:
         The client's SGD on adapter and head: one step per round on the round's mean loss.
+    lr_decay:
+        App. D.2's schedule: the learning rate times 0.1 from 50% of the rounds and times 0.01
+        from 80% (:data:`LR_MILESTONES`, :meth:`lr_factor`); full fine-tuning follows it too.
     min_batch_size:
         Smallest ``n`` accepted (App. C).
     permute:
@@ -96,6 +99,7 @@ class DoubleBlindConfig:
     alpha: float = 1.0
     lr: float = 0.05
     momentum: float = 0.9
+    lr_decay: bool = False
     min_batch_size: int = DEFAULT_MIN_BATCH_SIZE
     permute: bool = True
     backend: str = "simulate"
@@ -136,6 +140,13 @@ class DoubleBlindConfig:
                 raise ConfigError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
         self.secagg_config(MIN_SECURE_AGGREGATE)  # the SecAgg settings' own checks
 
+    def lr_factor(self, server_round: int) -> float:
+        """The learning-rate multiplier in 1-based ``server_round`` (1.0 without ``lr_decay``)."""
+        if not self.lr_decay:
+            return 1.0
+        done = (server_round - 1) / self.rounds
+        return 0.1 ** sum(done >= milestone for milestone in LR_MILESTONES)
+
     def secagg_config(self, min_clients: int) -> SecAggConfig:
         """Secure aggregation's settings for a round that needs ``min_clients`` clients.
 
@@ -174,6 +185,8 @@ class DoubleBlindConfig:
 
 
 REVEAL_CHOICES = ("all", "every-other", "last-two", "last")
+# Fractions of the rounds after which ``lr_decay`` divides the learning rate by 10 (App. D.2).
+LR_MILESTONES = (0.5, 0.8)
 
 
 def revealed_blocks(reveal: str, num_blocks: int) -> list[int]:
