@@ -439,6 +439,33 @@ def _bench_helix(args: argparse.Namespace) -> None:
     )
 
 
+def _paper(args: argparse.Namespace) -> None:
+    from fedfm.paper import load_table, run_efficiency_table, run_table
+    from fedfm.pipeline import load_data, obtain_student
+
+    spec = (
+        None
+        if args.table == "table4"
+        else load_table(args.table, args.config, seeds=args.seeds, rounds=args.rounds)
+    )
+    run = _run_from_args(args, args.workdir)
+    student = obtain_student(run, progress=not args.no_progress)
+    splits, _ = load_data(run)
+    if spec is None:
+        run_efficiency_table(
+            student, splits, results_dir=args.results_dir, command=args.command_line
+        )
+        return
+    run_table(
+        spec,
+        student,
+        splits,
+        workdir=args.cells_dir,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedfm", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -593,6 +620,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench_helix.add_argument("--batch-size", type=int, default=4096, help="queries per batch")
     bench_helix.add_argument("--repeats", type=int, default=3, help="runs per configuration")
     bench_helix.set_defaults(handler=_bench_helix)
+
+    paper = commands.add_parser(
+        "paper", help="the paper's Tables 2-4 and Figure 3 (tables 2, 3 resume cell by cell)"
+    )
+    _add_run_arguments(paper)
+    paper.add_argument(
+        "table", help="table2, table3 (or another table of the config), table4 (efficiency)"
+    )
+    paper.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="experiment TOML (simulations/experiments/paper.toml)",
+    )
+    paper.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
+    paper.add_argument("--rounds", type=int, default=None, help="override the rounds")
+    paper.add_argument("--workdir", type=Path, default=Path("runs/distill"))
+    paper.add_argument(
+        "--cells-dir",
+        type=Path,
+        default=Path("runs/paper"),
+        help="finished cells are kept here; a re-run skips them",
+    )
+    paper.add_argument("--results-dir", type=Path, default=Path("results"))
+    paper.set_defaults(handler=_paper)
     return parser
 
 

@@ -73,8 +73,8 @@ def median_latency(fn: Callable[[], Any], *, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def saved_activation_bytes(model: FheViT, images: torch.Tensor) -> int:
-    """Bytes autograd keeps for the backward pass of ``model(images)`` (distinct storages)."""
+def saved_tensor_bytes(step: Callable[[], Any]) -> int:
+    """Bytes autograd keeps for backward passes while ``step()`` runs (distinct storages)."""
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,11 +82,17 @@ def saved_activation_bytes(model: FheViT, images: torch.Tensor) -> int:
         storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(images).sum().backward()
-    model.zero_grad(set_to_none=True)
+        step()
     return sum(storages.values())
+
+
+def saved_activation_bytes(model: FheViT, images: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward pass of ``model(images)`` (distinct storages)."""
+    model.train()
+    saved = saved_tensor_bytes(lambda: model(images).sum().backward())
+    model.zero_grad(set_to_none=True)
+    return saved
 
 
 def _status_kib(field: str) -> int:
