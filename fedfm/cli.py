@@ -114,6 +114,7 @@ def _run_from_args(args: argparse.Namespace, workdir: Path):  # -> DistillRun
             gelu=not args.exact_gelu,
         ),
         teacher=PretrainConfig(epochs=args.teacher_epochs, seed=seed),
+        distill_data=getattr(args, "distill_data", "aux"),
         distill=DistillConfig(
             epochs=args.epochs,
             batch_size=batch_size,
@@ -440,6 +441,8 @@ def _bench_helix(args: argparse.Namespace) -> None:
 
 
 def _paper(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
     from fedfm.paper import load_table, run_efficiency_table, run_table
     from fedfm.pipeline import load_data, obtain_student
 
@@ -449,16 +452,28 @@ def _paper(args: argparse.Namespace) -> None:
         else load_table(args.table, args.config, seeds=args.seeds, rounds=args.rounds)
     )
     run = _run_from_args(args, args.workdir)
-    student = obtain_student(run, progress=not args.no_progress)
     splits, _ = load_data(run)
     if spec is None:
+        student = obtain_student(run, progress=not args.no_progress)
         run_efficiency_table(
             student, splits, results_dir=args.results_dir, command=args.command_line
         )
         return
+    # a student per distillation source; those distilled on other data than D_aux live beside
+    # --workdir (runs/distill-sample-photos for runs/distill) and are distilled when missing
+    students = {}
+    for source in sorted({setting.distill_data for setting in spec.settings}):
+        workdir = (
+            args.workdir
+            if source == "aux"
+            else args.workdir.with_name(f"{args.workdir.name}-{source}")
+        )
+        students[source] = obtain_student(
+            replace(run, distill_data=source, workdir=workdir), progress=not args.no_progress
+        )
     run_table(
         spec,
-        student,
+        students,
         splits,
         workdir=args.cells_dir,
         results_dir=args.results_dir,
@@ -475,6 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_arguments(distill)
     distill.add_argument("--workdir", type=Path, default=Path("runs/distill"))
+    distill.add_argument(
+        "--distill-data",
+        choices=("aux", "sample-photos"),
+        default="aux",
+        help="distill on D_aux (in-distribution) or on crops of scikit-learn's sample photographs "
+        "(out-of-distribution, labelled by the teacher); the teacher is pretrained on D_aux",
+    )
     distill.add_argument(
         "--restart",
         action="store_true",

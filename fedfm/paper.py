@@ -30,7 +30,7 @@ import shutil
 import statistics
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,7 @@ class Setting:
     partition: str
     alpha: float = 1.0
     batch_size: int = 16  # the paper's Table 3 uses 8 (below App. C's minimum of 16)
+    distill_data: str = "aux"  # the student distilled on this (fedfm.pipeline.DISTILL_DATA)
 
     def federation(self, seed: int) -> Federation:
         return Federation(
@@ -292,7 +293,7 @@ def _kept_cell(path: Path, spec: TableSpec, setting: Setting) -> dict[str, Any] 
 
 def run_table(
     spec: TableSpec,
-    student: FheViT,
+    students: Mapping[str, FheViT],
     splits: DataSplits,
     *,
     workdir: Path,
@@ -300,7 +301,13 @@ def run_table(
     command: str | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Every cell of ``spec`` (finished ones read back from ``workdir``); the summary rows."""
+    """Every cell of ``spec`` (finished ones read back from ``workdir``); the summary rows.
+
+    ``students`` maps each setting's ``distill_data`` to the student distilled on it.
+    """
+    missing = sorted({s.distill_data for s in spec.settings} - set(students))
+    if missing:
+        raise ConfigError(f"table {spec.name!r} needs students distilled on {missing}")
     folder = workdir / spec.name
     folder.mkdir(parents=True, exist_ok=True)
     plan = [(m, s, seed) for s in spec.settings for m in spec.methods for seed in spec.seeds]
@@ -318,7 +325,14 @@ def run_table(
         scratch = folder / "scratch"
         shutil.rmtree(scratch, ignore_errors=True)  # an interrupted cell starts over
         record = run_cell(
-            method, setting, seed, spec, student, splits, scratch, log=lambda _line: None
+            method,
+            setting,
+            seed,
+            spec,
+            students[setting.distill_data],
+            splits,
+            scratch,
+            log=lambda _line: None,
         )
         _write_atomically(path, record)
         cells[(method, setting.label, seed)] = record

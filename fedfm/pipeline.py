@@ -21,8 +21,9 @@ import torch
 from fedfm.approx.modules import calibrated_modules, clamped_count, reset_clamped
 from fedfm.approx.specs import ApproxConfig
 from fedfm.data import DataSplits, load_splits
+from fedfm.data.photos import sample_photo_crops
 from fedfm.distill import DistillConfig, distill
-from fedfm.errors import CheckpointError
+from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import (
     DEFAULT_MODEL,
@@ -68,6 +69,30 @@ class DistillRun:
     distill: DistillConfig = field(default_factory=DistillConfig)
     workdir: Path = Path("runs/distill")
     cache_dir: Path = Path("runs/cache")
+    distill_data: str = "aux"  # one of DISTILL_DATA: what the student is distilled on
+
+
+# What the student can be distilled on (the teacher is always pretrained on D_aux): ``aux``, the
+# in-distribution D_aux with its labels; ``sample-photos``, as many out-of-distribution crops of
+# scikit-learn's sample photographs, labelled by the teacher (they carry no labels of the task).
+DISTILL_DATA = ("aux", "sample-photos")
+
+
+def distillation_data(
+    run: DistillRun, splits: DataSplits, teacher: torch.nn.Module, image_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images the student is distilled on, and the labels of stage II's loss."""
+    if run.distill_data == "aux":
+        return splits.aux.images, splits.aux.labels
+    if run.distill_data != "sample-photos":
+        raise ConfigError(
+            f"unknown distillation data {run.distill_data!r}; choose one of {list(DISTILL_DATA)}"
+        )
+    images = sample_photo_crops(len(splits.aux), image_size=image_size, seed=run.seed)
+    teacher.eval()
+    with torch.no_grad():
+        labels = torch.cat([teacher(chunk).argmax(1) for chunk in images.split(256)])
+    return images, labels
 
 
 def load_data(run: DistillRun) -> tuple[DataSplits, int]:
@@ -188,15 +213,18 @@ def run_distillation(
     student = to_fhe_friendly(teacher_vit, approx)
     log(f"[fedfm] student: {approx.settings()} (plaintext torch evaluation)")
 
+    images, labels = distillation_data(run, splits, teacher_vit, image_size)
+    log(f"[fedfm] distilling on {run.distill_data}: {len(images)} images")
     history = distill(
         student,
         teacher,
-        splits.aux.images,
-        splits.aux.labels,
+        images,
+        labels,
         run.distill,
         state_path=state_path,
         run_settings={
             "data": run.dataset,
+            "distill_data": run.distill_data,
             "model": asdict(spec),
             "approx": asdict(run.approx),
             "teacher": teacher_meta.get("pretrain_loss"),
@@ -215,6 +243,7 @@ def run_distillation(
         "command": "fedfm distill",
         "backend": "plaintext (torch, no encryption)",
         "dataset": run.dataset,
+        "distill_data": run.distill_data,
         "split_sizes": {"aux": len(splits.aux), "pool": len(splits.pool), "test": len(splits.test)},
         "model": asdict(spec),
         "approximations": approx.describe(),

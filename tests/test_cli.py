@@ -449,3 +449,21 @@ def test_results_record_the_command_that_made_them(
     assert run_cli(argv, capsys).code == 0
     payload = read_json(tmp_path / "results" / "latency_fhe_friendly.json")
     assert payload["command"] == shlex.join(["fedfm", *argv])
+
+
+def test_distill_on_out_of_distribution_photos_shares_the_teacher(
+    e2e: EndToEnd, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--distill-data sample-photos`` reuses the cached teacher (pretrained on D_aux) and
+    distills a different student on photo crops; the report says which data it used."""
+    argv = command("distill", tmp_path, *TINY, "--distill-data", "sample-photos")
+    argv[argv.index("--cache-dir") + 1] = str(e2e.cache_dir)
+    result = run_cli(argv, capsys)
+    assert result.code == 0, result
+    assert "distilling on sample-photos" in result.out
+    report = read_json(tmp_path / "work" / "report.json")
+    assert report["distill_data"] == "sample-photos" and e2e.report["distill_data"] == "aux"
+    assert report["teacher_accuracy"] == e2e.report["teacher_accuracy"]
+    photos = load_student(tmp_path / "work" / "student.pt")
+    first = next(iter(photos.state_dict()))
+    assert not torch.equal(photos.state_dict()[first], e2e.student.state_dict()[first])

@@ -88,6 +88,26 @@ def test_the_shipped_tables_are_the_papers_settings() -> None:
     ]
 
 
+def test_table1_distills_one_student_per_auxiliary_source() -> None:
+    table1 = load_table("table1")
+    assert {s.distill_data for s in table1.settings} == {"aux", "sample-photos"}
+    assert {(s.clients, s.distill_data) for s in table1.settings} == {
+        (1, "aux"),
+        (5, "aux"),
+        (1, "sample-photos"),
+        (5, "sample-photos"),
+    }
+
+
+def test_a_table_without_the_student_it_needs_is_refused(
+    config_file: Path, student: FheViT, splits: DataSplits, tmp_path: Path
+) -> None:
+    spec = load_table("tiny", config_file)
+    spec = replace(spec, settings=(replace(spec.settings[0], distill_data="sample-photos"),))
+    with pytest.raises(ConfigError, match=r"needs students distilled on \['sample-photos'\]"):
+        run_table(spec, {"aux": student}, splits, workdir=tmp_path, results_dir=tmp_path)
+
+
 def test_bad_experiment_configs_are_refused_by_name(config_file: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no table 'table9'"):
         load_table("table9", config_file)
@@ -107,7 +127,7 @@ def test_a_table_runs_every_cell_once_and_resumes_after_an_interruption(
 ) -> None:
     spec = load_table("tiny", config_file)
     cells, results = tmp_path / "cells", tmp_path / "results"
-    rows = run_table(spec, student, splits, workdir=cells, results_dir=results, log=quiet)
+    rows = run_table(spec, {"aux": student}, splits, workdir=cells, results_dir=results, log=quiet)
 
     files = sorted((cells / "tiny").glob("*.json"))
     assert len(files) == 2 * 2 * 2  # methods x settings x seeds
@@ -137,14 +157,18 @@ def test_a_table_runs_every_cell_once_and_resumes_after_an_interruption(
     lost = cell_file(cells / "tiny", *_first(spec))
     lost.unlink()
     lines: list[str] = []
-    again = run_table(spec, student, splits, workdir=cells, results_dir=results, log=lines.append)
+    again = run_table(
+        spec, {"aux": student}, splits, workdir=cells, results_dir=results, log=lines.append
+    )
     assert sum("done before" in line for line in lines) == 7
     assert lost.exists() and again == rows  # the same seeds give the same cell
 
     # a cell kept from other settings (here: other rounds) is not reused
     longer = replace(spec, rounds=2)
     lines.clear()
-    run_table(longer, student, splits, workdir=cells, results_dir=results, log=lines.append)
+    run_table(
+        longer, {"aux": student}, splits, workdir=cells, results_dir=results, log=lines.append
+    )
     assert not any("done before" in line for line in lines)
     assert {json.loads(p.read_text())["rounds"] for p in files} == {2}
 
