@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import warnings
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import cached_property
@@ -612,15 +611,7 @@ class CkksBackend(CryptoBackend):
         name: str = NAME,
         workers: int | None = None,
     ) -> None:
-        if allow_insecure and not params.secure_128:
-            message = (
-                f"INSECURE CKKS parameters accepted (N={params.poly_modulus_degree}, "
-                f"{params.modulus_bits}-bit modulus): for tests only"
-            )
-            _LOG.warning(message)
-            warnings.warn(message, stacklevel=2)
-        elif not allow_insecure:
-            params.check_secure()
+        params.accept(allow_insecure=allow_insecure)
         if params.depth < 2:
             raise CryptoParameterError(
                 f"CKKS parameters {params.coeff_mod_bit_sizes} leave no level between refreshes: "

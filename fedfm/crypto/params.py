@@ -7,9 +7,13 @@ ring of degree N may not exceed ``MAX_MODULUS_BITS_128[N]``.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
 
 from fedfm.errors import CryptoParameterError
+
+_LOG = logging.getLogger(__name__)
 
 MAX_MODULUS_BITS_128: dict[int, int] = {
     1024: 27,
@@ -78,6 +82,18 @@ class CkksParameters:
                 f"modulus are below 128-bit security (at most "
                 f"{MAX_MODULUS_BITS_128[self.poly_modulus_degree]} bits allowed)"
             )
+
+    def accept(self, *, allow_insecure: bool = False) -> None:
+        """:meth:`check_secure`, or with ``allow_insecure`` (tests only) a loud warning instead."""
+        if not allow_insecure:
+            self.check_secure()
+        elif not self.secure_128:
+            message = (
+                f"INSECURE CKKS parameters accepted (N={self.poly_modulus_degree}, "
+                f"{self.modulus_bits}-bit modulus): for tests only"
+            )
+            _LOG.warning(message)
+            warnings.warn(message, stacklevel=3)
 
 
 # HELIX's practice (spec 000, Sec. 5.2): N = 8192, [60, 40, 40, 60], scale 2^40: depth 2.

@@ -20,8 +20,6 @@ SEAL's own validation, two polynomials and the expected level.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +40,6 @@ from fedfm.crypto.seal_raw import SealIO
 from fedfm.errors import ConfigError, CryptoParameterError, ProtocolError
 from fedfm.helix.packing import FeatureMajor, ReplicatedRows, RowBlocks
 
-_LOG = logging.getLogger(__name__)
 Payload = dict[str, np.ndarray]
 CIRCUIT_DEPTH = 1  # one ciphertext-plaintext multiplication, then one rescale
 
@@ -50,15 +47,7 @@ CIRCUIT_DEPTH = 1  # one ciphertext-plaintext multiplication, then one rescale
 def check_parameters(params: CkksParameters, *, allow_insecure: bool = False) -> None:
     """Refuse ``params`` below 128-bit security (unless ``allow_insecure``, for tests: a
     warning; SEAL in TenSEAL 0.3.18 still enforces the bound itself) or too shallow."""
-    if allow_insecure and not params.secure_128:
-        message = (
-            f"INSECURE CKKS parameters accepted (N={params.poly_modulus_degree}, "
-            f"{params.modulus_bits}-bit modulus): for tests only"
-        )
-        _LOG.warning(message)
-        warnings.warn(message, stacklevel=2)
-    elif not allow_insecure:
-        params.check_secure()
+    params.accept(allow_insecure=allow_insecure)
     if params.depth < CIRCUIT_DEPTH:
         raise CryptoParameterError(
             f"CKKS parameters {params.coeff_mod_bit_sizes} allow no rescale; HELIX needs "
