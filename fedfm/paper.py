@@ -351,7 +351,8 @@ def run_table(
             f"decay x0.1 at 50% and 80% of the rounds: {spec.lr_decay}; backend simulate for "
             "ours and linear probing (same polynomials and messages as CKKS, no encryption); "
             "full fine-tuning is plaintext FedAvg of the whole model. Clients trained per round: "
-            "mean over rounds and seeds (a client needs a batch of 16 training samples)."
+            "mean over rounds and seeds (a client needs one batch of training samples; batch "
+            f"sizes {sorted({s.batch_size for s in spec.settings})})."
         ),
         rows=rows,
         columns=[
@@ -424,12 +425,11 @@ def plot_figure3(
 
 
 def _training_step(
-    method: str, student: FheViT, images: torch.Tensor, labels: torch.Tensor
+    method: str, student: FheViT, images: torch.Tensor, labels: torch.Tensor, classes: int
 ) -> tuple[Callable[[], None], int]:
     """One client training step of ``method`` on a batch (forward and backward), and the
     method's trainable parameters. Ours and linear probing run the student's blocks without
     gradients (the server's encrypted part) and train the side adapter and head on their outputs."""
-    classes = int(labels.max()) + 1
     if method == "full-finetune":
         model = finetune_model(student, classes, seed=0).train()
         parameters = [p for p in model.parameters() if p.requires_grad]
@@ -479,7 +479,9 @@ def run_efficiency_table(
     with torch.random.fork_rng():
         torch.manual_seed(0)
         for method in methods:
-            step, parameters = _training_step(method, student, images, labels)
+            step, parameters = _training_step(
+                method, student, images, labels, splits.pool.num_classes
+            )
             seconds = median_latency(step, repeats=repeats)
             rows.append(
                 {
