@@ -1,8 +1,11 @@
-"""The paper's comparison tables (spec ``001`` App. D): methods x federations x seeds.
+"""The paper's tables (spec ``001`` §4, App. D, F): methods x federations x seeds, and costs.
 
-A *table* is data (``simulations/experiments/paper.toml``): the methods
-(:data:`fedfm.baselines.METHODS`), the federations (clients, partition, Dirichlet alpha), the
-seeds, the rounds and the learning-rate schedule. :func:`run_table` runs every *cell* (one
+Tables 1-3 are data (``simulations/experiments/paper.toml``): the methods
+(:data:`fedfm.baselines.METHODS`), the federations (clients, partition, Dirichlet alpha, batch
+size, and which student: distilled on ``D_aux`` or on out-of-distribution photo crops), the
+seeds, the rounds and the learning-rate schedule; Table 2 also draws Figure 3
+(:func:`plot_figure3`). Table 4 (:func:`run_efficiency_table`) times one training step per
+method. :func:`run_table` runs every *cell* (one
 method on one federation with one seed) through :func:`fedfm.baselines.run_adaptation`, keeps
 each finished cell as a JSON file in the work folder (a re-run skips those: an interrupted table
 resumes cell by cell), then writes ``results/paper_<table>.{json,md}`` with the mean and standard
