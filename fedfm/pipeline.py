@@ -170,14 +170,39 @@ def load_student(path: str | Path) -> FheViT:
 def obtain_student(
     run: DistillRun, *, progress: bool = True, log: Callable[[str], None] = print
 ) -> FheViT:
-    """The distilled student of ``run``: loaded from its work directory, or distilled now."""
+    """The distilled student of ``run``: loaded from its work directory, or distilled now.
+
+    Raises
+    ------
+    ConfigError
+        If the work directory's ``report.json`` says its student was distilled for another
+        dataset or on other data than ``run`` asks for.
+    """
     path = Path(run.workdir) / "student.pt"
     if not path.exists():
         log(f"[fedfm] no student at {path}: running the distillation first")
         run_distillation(run, progress=progress, log=log)
     else:
+        _check_student_report(run)
         log(f"[fedfm] server model: FHE-friendly student {path}")
     return load_student(path)
+
+
+def _check_student_report(run: DistillRun) -> None:
+    """Refuse a work directory whose report names another dataset or distillation data (a
+    student saved without a report, e.g. by hand, is taken as it is)."""
+    report_path = Path(run.workdir) / "report.json"
+    if not report_path.exists():
+        return
+    report = json.loads(report_path.read_text())
+    made = (report.get("dataset"), report.get("distill_data", "aux"))
+    wanted = (run.dataset, run.distill_data)
+    if made != wanted:
+        raise ConfigError(
+            f"the student in {run.workdir} was distilled for dataset {made[0]!r} on "
+            f"{made[1]!r} data, this run asks for {wanted[0]!r} on {wanted[1]!r}: give it its "
+            "own --workdir (or remove that folder)"
+        )
 
 
 def _scores(model: Callable[[torch.Tensor], torch.Tensor], splits: DataSplits) -> Scores:

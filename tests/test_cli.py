@@ -467,3 +467,15 @@ def test_distill_on_out_of_distribution_photos_shares_the_teacher(
     photos = load_student(tmp_path / "work" / "student.pt")
     first = next(iter(photos.state_dict()))
     assert not torch.equal(photos.state_dict()[first], e2e.student.state_dict()[first])
+
+
+def test_a_student_distilled_for_another_dataset_is_refused(
+    e2e: EndToEnd, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The e2e work folder holds a digits student; asking it for SVHN names the mismatch."""
+    from fedfm.pipeline import obtain_student
+
+    run = DistillRun(dataset="svhn", workdir=e2e.workdir)
+    with pytest.raises(ConfigError, match="distilled for dataset 'digits' on 'aux' data"):
+        obtain_student(run, log=lambda _line: None)
+    assert isinstance(obtain_student(DistillRun(workdir=e2e.workdir), log=print), FheViT)
