@@ -10,6 +10,7 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 from scipy import stats
 
+from fedfm.crypto import seal_memory
 from fedfm.crypto.refresh import (
     MaskedCiphertext,
     RefreshClient,
@@ -107,8 +108,19 @@ def _level(context: ts.Context, ciphertext) -> int:
 # --- raw SEAL access -----------------------------------------------------------------------
 
 
-def test_ciphertext_layout_matches_seal(keys):
+@pytest.fixture(params=["memory", "files"])
+def access(request, monkeypatch):
+    """Both ways into SEAL: its objects' memory (the default here) and save/load files."""
+    if request.param == "memory":
+        assert seal_memory.available(), "direct SEAL memory access failed its probe"
+    else:
+        monkeypatch.setattr(seal_memory, "available", lambda: False)
+    return request.param
+
+
+def test_ciphertext_layout_matches_seal(keys, access):
     private, _ = keys
+    assert SealIO(private).direct is (access == "memory")
     ciphertext = _encrypt(private, np.linspace(-1, 1, 100))
     raw = read_ciphertext(ciphertext)
     assert raw.parms_id == tuple(ciphertext.parms_id())
@@ -125,11 +137,22 @@ def test_ciphertext_layout_matches_seal(keys):
     assert np.array_equal(read_ciphertext(copy).data, raw.data)
     assert np.allclose(_decrypt(private, copy, 100), np.linspace(-1, 1, 100), atol=1e-6)
     bad = RawCiphertext(raw.parms_id, True, raw.scale, raw.data + np.uint64(primes[-1]))
-    with pytest.raises(ProtocolError, match="SEAL refused"):
-        write_ciphertext(private, bad)  # SEAL validates every word against its prime
+    with pytest.raises(ProtocolError, match="SEAL refused|not reduced modulo prime"):
+        write_ciphertext(private, bad)  # every word is checked against its prime
 
 
-def test_plaintext_layout_and_ntt_round_trip(keys):
+def test_memory_access_can_be_switched_off(monkeypatch):
+    seal_memory.available.cache_clear()
+    monkeypatch.setenv(seal_memory.SWITCH_VARIABLE, "0")
+    try:
+        assert not seal_memory.available()
+    finally:
+        seal_memory.available.cache_clear()
+    monkeypatch.delenv(seal_memory.SWITCH_VARIABLE)
+    assert seal_memory.available()
+
+
+def test_plaintext_layout_and_ntt_round_trip(keys, access):
     private, _ = keys
     seal_context = _seal(private)
     plain = sealapi.Plaintext()
