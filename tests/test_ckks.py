@@ -110,8 +110,10 @@ def test_layout_packs_tokens_with_copies_and_unpacks() -> None:
     np.testing.assert_array_equal(layout.unpack(slots, 300), values)
     # sample 1's group starts at slot 9: tokens 0..4 then copies of tokens 0..3
     np.testing.assert_array_equal(slots[0, 0, 9:18], np.r_[values[1, :, 0], values[1, :4, 0]])
+    # token shifts 0..4 = baby step (0..2) + giant step (0 or 3)
+    assert (layout.baby_steps, layout.giant_steps()) == (3, [3])
     assert layout.rotation_steps() == sorted(
-        {1, 2, 4, -5} | {s * 9 * 2**j for j in range(8) for s in (1, -1)}
+        {1, 3, -3, -5} | {s * 9 * 2**j for j in range(8) for s in (1, -1)}
     )
     with pytest.raises(ProtocolError, match="5-token groups"):
         layout.pack(_values(2, 4, 3))

@@ -137,7 +137,7 @@ def test_ciphertext_layout_matches_seal(keys, access):
     assert np.array_equal(read_ciphertext(copy).data, raw.data)
     assert np.allclose(_decrypt(private, copy, 100), np.linspace(-1, 1, 100), atol=1e-6)
     bad = RawCiphertext(raw.parms_id, True, raw.scale, raw.data + np.uint64(primes[-1]))
-    with pytest.raises(ProtocolError, match="SEAL refused|not reduced modulo prime"):
+    with pytest.raises(ProtocolError, match=r"SEAL refused|not reduced modulo prime"):
         write_ciphertext(private, bad)  # every word is checked against its prime
 
 
@@ -184,6 +184,11 @@ def test_plaintext_layout_and_ntt_round_trip(keys, access):
         sealapi.Evaluator(seal_context).transform_to_ntt_inplace(transparent)
     zeros = np.zeros((20, 3, 8192), dtype=np.uint64)  # more than one scratch ciphertext holds
     assert not io.to_ntt(raw.parms_id, zeros).any()
+
+    # A residue row's transform depends on its prime only: the refresh mask's material takes the
+    # refresh level's rows from one top-level transform.
+    lower = seal_context.get_context_data(raw.parms_id).next_context_data().parms_id()
+    assert np.array_equal(io.to_ntt(tuple(lower), coefficients[None, :2])[0], raw.data[:2])
     io.close()
 
 

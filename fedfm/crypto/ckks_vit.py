@@ -215,13 +215,18 @@ def layer_norm(
     return out, centring
 
 
-def _shifts(circuit: Circuit, ct: Ciphertext, tokens: int) -> list[Ciphertext]:
-    """``ct`` rotated left by ``0 .. tokens - 1`` slots (one rotation per shift)."""
+def _baby_shifts(circuit: Circuit, ct: Ciphertext, layout: SlotLayout) -> list[Ciphertext]:
+    """``ct`` rotated left by ``0 .. baby_steps - 1`` slots (one rotation by one slot each)."""
     shifts = [ct]
-    for d in range(1, tokens):
-        power = 1 << (d.bit_length() - 1)
-        shifts.append(circuit.rotate(shifts[d - power], power))
+    for _ in range(1, min(layout.baby_steps, layout.tokens)):
+        shifts.append(circuit.rotate(shifts[-1], 1))
     return shifts
+
+
+def _token_shifts(layout: SlotLayout) -> list[tuple[int, int]]:
+    """Token shift ``d`` as ``(a, g)``: baby step ``a`` plus giant step ``g`` (``d = a + g``)."""
+    baby = layout.baby_steps
+    return [(d % baby, d - d % baby) for d in range(layout.tokens)]
 
 
 def attention(
@@ -249,17 +254,26 @@ def attention(
     tensors = yield from circuit.ensure([_flat(q), _flat(k), _flat(v)], 1, f"{place}/logits")
     q, k, v = (_shape(t, dim) for t in tensors)
     count, tokens = len(x[0]), layout.tokens
-    # logits[(h * count + c) * tokens + d]: head h, ciphertext c, key token t + d. The shifted
-    # keys of one feature at a time are made and dropped (memory O(tokens), not O(D tokens)).
+    shifts = _token_shifts(layout)
+    giants = sorted({giant for _, giant in shifts})
+    # logits[(h * count + c) * tokens + d]: head h, ciphertext c, key token t + d. With
+    # d = a + g: sum_j q_j rot_d(k_j) = rot_g(sum_j rot_-g(q_j) rot_a(k_j)), so a feature needs
+    # only its baby shifts of k and giant shifts of q; each sum is rotated once at the end. The
+    # shifts of one feature at a time are made and dropped (memory O(tokens), not O(D tokens)).
     logits: list[Ciphertext] = []
     for h in range(heads):
         features = range(h * head_dim, (h + 1) * head_dim)
         for c in range(count):
             sums = [ProductSum(circuit) for _ in range(tokens)]
             for j in features:
-                for d, shifted in enumerate(_shifts(circuit, k[j][c], tokens)):
-                    sums[d].add(q[j][c], shifted)
-            logits += [total.result() for total in sums]
+                keys = _baby_shifts(circuit, k[j][c], layout)
+                queries = {giant: circuit.rotate(q[j][c], -giant) for giant in giants}
+                for (a, giant), total in zip(shifts, sums, strict=True):
+                    total.add(queries[giant], keys[a])
+            logits += [
+                circuit.rotate(total.result(), giant)
+                for (_, giant), total in zip(shifts, sums, strict=True)
+            ]
     (logits,) = yield from circuit.ensure([logits], 1, f"{place}/mask")
     per_head = count * tokens
     logits = [
@@ -302,15 +316,23 @@ def attention(
     weights = [circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)]
     tensors = yield from circuit.ensure([weights, _flat(v)], 1, f"{place}/values")
     weights, v = tensors[0], _shape(tensors[1], dim)
+    # sum_d w_d rot_d(v_j) = sum_g rot_g(sum_a rot_-g(w_(a+g)) rot_a(v_j)): baby shifts of each
+    # feature, giant shifts of each head's weights, one rotation per feature and giant step.
+    weights = [circuit.rotate(ct, -shifts[i % tokens][1]) for i, ct in enumerate(weights)]
     out: Tensor = []
     for j in range(dim):
         h = j // head_dim
         row = []
         for c in range(count):
-            total = ProductSum(circuit)
-            for d, shifted in enumerate(_shifts(circuit, v[j][c], tokens)):
-                total.add(weights[(h * count + c) * tokens + d], shifted)
-            row.append(total.result())
+            values = _baby_shifts(circuit, v[j][c], layout)
+            parts = {giant: ProductSum(circuit) for giant in giants}
+            for d, (a, giant) in enumerate(shifts):
+                parts[giant].add(weights[(h * count + c) * tokens + d], values[a])
+            total = None
+            for giant, part in parts.items():
+                rotated = circuit.rotate(part.result(), giant)
+                total = rotated if total is None else circuit.add(total, rotated)
+            row.append(total)
         out.append(row)
     (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
     # 1/bound of the softmax is folded into the projection.

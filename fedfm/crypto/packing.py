@@ -22,6 +22,7 @@ share the hidden states' rotation keys. Cost per sample falls as the batch fills
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,18 +65,30 @@ class SlotLayout:
     def ciphertexts_for(self, samples: int) -> int:
         return -(-samples // self.capacity)
 
+    @property
+    def baby_steps(self) -> int:
+        """``b = ceil(sqrt(tokens))``: attention splits a token shift ``d`` into ``d % b`` (a baby
+        step, made by repeated shifts by one) and ``b * (d // b)`` (a giant step), so that a
+        feature needs ``b - 1 + ceil(tokens / b) - 1`` rotations instead of ``tokens - 1``."""
+        return math.isqrt(self.tokens - 1) + 1 if self.tokens > 1 else 1
+
+    def giant_steps(self) -> list[int]:
+        """The giant token shifts ``b * j`` for ``0 < b * j < tokens``."""
+        baby = self.baby_steps
+        return list(range(baby, self.tokens, baby))
+
     def rotation_steps(self) -> list[int]:
         """Rotation steps (positive: left) that evaluation uses: keys are made for these only.
 
-        Token shifts by powers of two below ``tokens`` (others compose), the right shift by
-        ``tokens`` that rebuilds the token copy, and left and right shifts by ``group * 2**j``
-        (``2**j < capacity``) for permutations of samples and sums over samples.
+        Token shifts by one and by plus or minus each giant step (:attr:`baby_steps`), the right
+        shift by ``tokens`` that rebuilds the token copy, and left and right shifts by
+        ``group * 2**j`` (``2**j < capacity``) for permutations of samples and sums over samples.
         """
         steps: set[int] = set()
-        shift = 1
-        while shift < self.tokens:
-            steps.add(shift)
-            shift *= 2
+        if self.tokens > 1:
+            steps.add(1)
+        for giant in self.giant_steps():
+            steps.update((giant, -giant))
         if self.duplicate:
             steps.add(-self.tokens)
         distance = 1

@@ -350,17 +350,19 @@ class RefreshServer(_OnChain):
         limbs = sample_uniform_mask(
             chain.degree, self._mask_bits, chain.top_primes, self._random_bytes
         )
+        # One NTT at the top level serves both: the refresh level's primes lead the top level's
+        # and SEAL's transform of a residue row depends only on its prime.
+        ntt = self._io.to_ntt(chain.top_parms_id, limbs[None])[0]
         offset = sealapi.Ciphertext(chain.seal_context)
         self._encryptor.encrypt_zero(list(chain.refresh_parms_id), offset)
-        self._io.add_coefficients_inplace(offset, limbs[:2])
+        self._io.add_ntt_inplace(offset, ntt[:2])
         negated = np.stack(
             [
                 submod(np.zeros_like(row), row, p)
-                for row, p in zip(limbs, chain.top_primes, strict=True)
+                for row, p in zip(ntt, chain.top_primes, strict=True)
             ]
         )
-        ntt = self._io.to_ntt(chain.top_parms_id, negated[None])[0]
-        negated_plain = self._io.write_plaintext(RawPlaintext(chain.top_parms_id, 1.0, ntt))
+        negated_plain = self._io.write_plaintext(RawPlaintext(chain.top_parms_id, 1.0, negated))
         return MaskMaterial(offset, negated_plain)
 
     def mask_many(
@@ -541,14 +543,15 @@ class RefreshClient(_OnChain):
             return []
         chain = self._chain
         residues = self._lift(ciphertexts).residues(chain.top_primes)  # (k_top, m, N)
+        polys = self._io.to_ntt(chain.top_parms_id, residues.transpose(1, 0, 2))
         fresh = []
-        for index, source in enumerate(ciphertexts):
+        for poly, source in zip(polys, ciphertexts, strict=True):
             # Symmetric encryption of zero plus the lifted polynomial: encrypt_symmetric's
             # own steps, with the polynomial entering in coefficient form.
             out = sealapi.Ciphertext(chain.seal_context)
             self._encryptor.encrypt_zero_symmetric(list(chain.top_parms_id), out)
             out.scale = source.scale
-            self._io.add_coefficients_inplace(out, residues[:, index])
+            self._io.add_ntt_inplace(out, poly)
             fresh.append(out)
         return fresh
 

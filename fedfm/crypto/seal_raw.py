@@ -234,7 +234,6 @@ class SealIO:
         self._path = str(Path(self._folder) / "object")
         self._finalizer = weakref.finalize(self, _remove_folder, self._folder, os.getpid())
         self._evaluator = sealapi.Evaluator(self.seal_context)
-        self._guards: dict[ParmsId, sealapi.Ciphertext] = {}
 
     def close(self) -> None:
         """Remove the scratch folder (also done when the object is collected)."""
@@ -331,38 +330,18 @@ class SealIO:
             out[start : start + chunk] = self.read_ciphertext(scratch).data[:-1]
         return out
 
-    def _guard_ciphertext(self, parms_id: ParmsId) -> sealapi.Ciphertext:
-        """``(0, NTT(guard))`` at ``parms_id``: cancels the guard :meth:`add_coefficients_inplace`
-        adds to ``c1`` (cached per level; its scale is overwritten on each use)."""
-        cached = self._guards.get(parms_id)
-        if cached is None:
-            k = len(primes_of(self.seal_context, parms_id))
-            degree = context_data(self.seal_context, parms_id).parms().poly_modulus_degree()
-            block = np.zeros((2, k, degree), dtype=np.uint64)
-            block[1] = 1
-            cached = self.write_ciphertext(RawCiphertext(parms_id, False, 1.0, block))
-            self._evaluator.transform_to_ntt_inplace(cached)
-            self._guards[parms_id] = cached
-        return cached
+    def add_ntt_inplace(self, ciphertext: Any, poly: np.ndarray) -> None:
+        """``c0 += poly`` for residues ``poly`` (k, N) of an NTT-form polynomial.
 
-    def add_coefficients_inplace(self, ciphertext: Any, poly: np.ndarray) -> None:
-        """``c0 += poly`` for residues ``poly`` (k, N) of a coefficient-form polynomial.
-
-        SEAL does the NTT and the additions, and nothing large is read back: the polynomial goes
-        in as ``(poly, guard)`` (the guard keeps it from being transparent), which is added and
-        then ``(0, guard)`` subtracted. The ciphertext must be in NTT form.
+        ``(poly, 0)`` goes in as a ciphertext of its own and SEAL adds it (SEAL refuses such a
+        "transparent" ciphertext only as the result of an operation, not as an operand).
         """
-        parms_id: ParmsId = tuple(ciphertext.parms_id())
         poly = np.asarray(poly, dtype=np.uint64)
-        block = np.empty((2, *poly.shape), dtype=np.uint64)
-        block[0] = poly
-        block[1] = 1
-        scratch = self.write_ciphertext(RawCiphertext(parms_id, False, ciphertext.scale, block))
-        self._evaluator.transform_to_ntt_inplace(scratch)
-        self._evaluator.add_inplace(ciphertext, scratch)
-        guard = self._guard_ciphertext(parms_id)
-        guard.scale = ciphertext.scale  # SEAL insists on equal scales
-        self._evaluator.sub_inplace(ciphertext, guard)
+        addend = np.zeros((2, *poly.shape), dtype=np.uint64)
+        addend[0] = poly
+        parms_id: ParmsId = tuple(ciphertext.parms_id())
+        raw = RawCiphertext(parms_id, True, ciphertext.scale, addend)
+        self._evaluator.add_inplace(ciphertext, self.write_ciphertext(raw))
 
     def to_ntt(self, parms_id: ParmsId, polys: np.ndarray) -> np.ndarray:
         """NTT form of the coefficient-form polynomials ``polys`` (m, k, N) at ``parms_id``."""
