@@ -24,10 +24,12 @@ from fedfm.crypto.seal_raw import (
     RawCiphertext,
     SealIO,
     crt_lift,
+    dumps,
     mulmod,
     primes_of,
     read_ciphertext,
     read_plaintext,
+    seal_bytes,
     write_ciphertext,
     write_plaintext,
 )
@@ -139,6 +141,37 @@ def test_ciphertext_layout_matches_seal(keys, access):
     bad = RawCiphertext(raw.parms_id, True, raw.scale, raw.data + np.uint64(primes[-1]))
     with pytest.raises(ProtocolError, match=r"SEAL refused|not reduced modulo prime"):
         write_ciphertext(private, bad)  # every word is checked against its prime
+
+
+def test_compact_wire_format_round_trips_and_refuses_damage(keys, access):
+    private, _ = keys
+    ciphertext = _encrypt(private, np.linspace(-1, 1, 100))
+    io = SealIO(private)
+    blob = dumps(ciphertext)
+    primes = primes_of(_seal(private), tuple(ciphertext.parms_id()))
+    # residues take the bytes of their prime (58 -> 8, 40 -> 5): smaller than SEAL's zstd file
+    widths = [-(-p.bit_length() // 8) for p in primes]
+    header = 4 + 32 + 4 + 8 + 8  # magic, parms_id, four bytes, scale, correction factor
+    assert len(blob) == header + len(primes) + 2 * 8192 * sum(widths)
+    assert len(blob) < len(seal_bytes(ciphertext))
+    for source in (blob, seal_bytes(ciphertext)):  # both formats load
+        copy = io.load_ciphertext(source)
+        assert np.array_equal(read_ciphertext(copy).data, read_ciphertext(ciphertext).data)
+        assert copy.scale == ciphertext.scale and copy.parms_id() == ciphertext.parms_id()
+    with pytest.raises(ProtocolError, match="truncated"):
+        io.load_ciphertext(blob[:-1])
+    with pytest.raises(ProtocolError, match="widths"):
+        io.load_ciphertext(blob[:header] + b"\x09" + blob[header + 1 :])
+    foreign = bytearray(blob)
+    foreign[4:12] = b"\x01" * 8  # a parms_id that is not in this context's chain
+    with pytest.raises(ProtocolError, match="not in this context's modulus chain"):
+        io.load_ciphertext(bytes(foreign))
+    unreduced = bytearray(blob)
+    start = header + 3 + 2 * 8192 * widths[0]  # prime 1's residues: set one to 2^40 - 1
+    unreduced[start : start + widths[1]] = b"\xff" * widths[1]
+    with pytest.raises(ProtocolError, match=r"SEAL refused|not reduced modulo prime"):
+        io.load_ciphertext(bytes(unreduced))
+    io.close()
 
 
 def test_memory_access_can_be_switched_off(monkeypatch):

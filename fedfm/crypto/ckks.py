@@ -60,7 +60,7 @@ from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.params import CKKS_16384, CkksParameters
 from fedfm.crypto.refresh import RefreshClient, RefreshServer
-from fedfm.crypto.seal_raw import SealIO, seal_bytes
+from fedfm.crypto.seal_raw import SealIO, dumps, seal_bytes
 from fedfm.crypto.workers import configured_workers, discard_pool, refresh_blobs, shared_pool
 from fedfm.errors import CryptoParameterError, ProtocolError
 
@@ -178,7 +178,7 @@ class CkksBatch(EncryptedBatch):
 
     @cached_property
     def _payload(self) -> dict[str, np.ndarray]:
-        blob = _join([seal_bytes(ct) for feature in self.tensor for ct in feature])
+        blob = _join([dumps(ct) for feature in self.tensor for ct in feature])
         shape = np.asarray(self.shape, dtype=np.int64)
         layout = np.asarray(
             [
@@ -222,7 +222,9 @@ def _digest(fingerprint: bytes, *arrays_and_blob: Any) -> bytes:
     for array in arrays:
         data = np.ascontiguousarray(array, dtype="<i8").tobytes()
         header += len(data).to_bytes(8, "little") + data
-    return hashlib.sha256(header + blob).digest()
+    digest = hashlib.sha256(header)
+    digest.update(blob)  # not header + blob: that would copy the blob
+    return digest.digest()
 
 
 class _Packing:
@@ -375,7 +377,7 @@ class CkksKeyOwner(KeyOwner):
                 discard_pool()
         masked = [self._io.load_ciphertext(part) for part in parts]
         fresh = self._refresher.refresh_many(masked)
-        return list_payload([seal_bytes(ct) for ct in fresh], self.fingerprint)
+        return list_payload([dumps(ct) for ct in fresh], self.fingerprint)
 
     @cached_property
     def _worker_context(self) -> bytes:

@@ -72,8 +72,9 @@ from fedfm.crypto.seal_raw import (
     addmod,
     context_data,
     crt_lift,
+    dumps,
     mulmod,
-    seal_bytes,
+    plaintext_words,
     submod,
 )
 from fedfm.crypto.workers import WorkerPool, discard_pool, mask_material_blobs, shared_pool
@@ -101,7 +102,7 @@ class MaskedCiphertext:
     ciphertext: sealapi.Ciphertext
 
     def to_bytes(self) -> bytes:
-        """Wire form (SEAL's zstd-compressed serialization)."""
+        """Wire form (:func:`fedfm.crypto.seal_raw.dumps`)."""
         return seal_serialize(self.ciphertext)
 
     @classmethod
@@ -121,12 +122,15 @@ class MaskMaterial:
     negated: sealapi.Plaintext
 
     def to_bytes(self) -> tuple[bytes, bytes]:
-        """SEAL bytes of both parts (to hand material from a worker process to the server)."""
-        return seal_bytes(self.offset), seal_bytes(self.negated)
+        """Both parts as bytes (to hand material from a worker process to the server): the
+        offset in the compact wire form, ``-r`` as its raw residue words."""
+        return dumps(self.offset), plaintext_words(self.negated).tobytes()
 
     @classmethod
-    def from_bytes(cls, io: SealIO, parts: tuple[bytes, bytes]) -> MaskMaterial:
-        return cls(io.load_ciphertext(parts[0]), io.load_plaintext(parts[1]))
+    def from_bytes(cls, io: SealIO, parts: tuple[bytes, bytes], top: ParmsId) -> MaskMaterial:
+        words = np.frombuffer(parts[1], dtype=np.uint64)
+        negated = io.write_plaintext(RawPlaintext(top, 1.0, words))
+        return cls(io.load_ciphertext(parts[0]), negated)
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,8 +144,8 @@ class RefreshMask:
 
 
 def seal_serialize(ciphertext: Ciphertext) -> bytes:
-    """SEAL's (zstd-compressed) serialization of ``ciphertext``, for the wire."""
-    return seal_bytes(ciphertext)
+    """The wire form of ``ciphertext`` (:func:`fedfm.crypto.seal_raw.dumps`)."""
+    return dumps(ciphertext)
 
 
 def seal_deserialize(context: ts.Context, data: bytes) -> sealapi.Ciphertext:
@@ -475,7 +479,8 @@ class _MaskSupply:
                 except BrokenProcessPool as error:
                     self._fail(error)
                     continue
-                self._ready.extend(MaskMaterial.from_bytes(self._server._io, p) for p in parts)
+                top = self._server.top_parms_id
+                self._ready.extend(MaskMaterial.from_bytes(self._server._io, p, top) for p in parts)
                 self.supplied += len(parts)
             else:
                 out.append(None)

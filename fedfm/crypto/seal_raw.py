@@ -21,6 +21,17 @@ according to the mode. All integers are little-endian.
 Objects are written back uncompressed. ``load`` makes SEAL validate them (every word reduced
 modulo its prime, sizes consistent with the parameters), so a malformed write fails loudly.
 
+Compact wire format
+-------------------
+What fedfm sends (:func:`dumps`): ``b"FFC1"``, ``parms_id`` (4 x ``uint64``), ``is_ntt_form``,
+``size``, ``k`` (``uint8`` each), ``log2 N`` (``uint8``), ``scale`` (``float64``),
+``correction_factor`` (``uint64``), one byte per prime giving the width ``w_j`` of its residues,
+then for each prime and polynomial the residues as little-endian integers of ``w_j`` bytes (the
+bytes the largest needs: 5 for uniform residues modulo a 40-bit prime). Exact, smaller
+than SEAL's zstd files (residues are uniform, so they do not compress below their bit width) and
+about ten times faster to make and read. :meth:`SealIO.load_ciphertext` takes both formats and
+checks either as strictly as SEAL's ``load``.
+
 Going between NTT and coefficient form uses SEAL's own transforms on a scratch ciphertext that
 carries the polynomials. SEAL (built with ``SEAL_THROW_ON_TRANSPARENT_CIPHERTEXT``) refuses a
 ciphertext whose polynomials after the first are all zero, so the scratch ciphertext always ends
@@ -32,6 +43,7 @@ Modular arithmetic works on ``uint64`` arrays for primes below 2^60 without over
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import struct
@@ -203,6 +215,72 @@ def plaintext_bytes(raw: RawPlaintext) -> bytes:
     return _header(COMPR_NONE, HEADER.size + len(body)) + body
 
 
+# --- compact wire format ------------------------------------------------------------------
+
+COMPACT_MAGIC = b"FFC1"
+_COMPACT_META = struct.Struct("<4s4QBBBBdQ")  # magic, parms_id, ntt, size, k, log2 N, scale, cf
+
+
+def compact_bytes(raw: RawCiphertext) -> bytes:
+    """``raw`` in the compact wire format: row ``j`` (one prime) as integers of as many bytes
+    as its largest residue needs (``ceil(bits(p) / 8)`` for uniform residues modulo ``p``)."""
+    data = np.ascontiguousarray(raw.data, dtype="<u8")
+    size, k, degree = data.shape
+    if degree & (degree - 1) or not 1 <= k <= 255 or not 2 <= size <= CIPHERTEXT_SIZE_MAX:
+        raise ProtocolError(f"ciphertext data of shape {data.shape} is not (size, k, 2^n)")
+    largest = data.max(axis=(0, 2))
+    widths = [max(1, -(-int(value).bit_length() // 8)) for value in largest]
+    octets = data.view(np.uint8).reshape(size, k, degree, 8)
+    meta = _COMPACT_META.pack(
+        COMPACT_MAGIC,
+        *raw.parms_id,
+        int(raw.is_ntt_form),
+        size,
+        k,
+        degree.bit_length() - 1,
+        raw.scale,
+        raw.correction_factor,
+    )
+    rows = (octets[:, j, :, :width].tobytes() for j, width in enumerate(widths))
+    return meta + bytes(widths) + b"".join(rows)
+
+
+def parse_compact(blob: bytes, seal_context: Any) -> RawCiphertext:
+    """A :class:`RawCiphertext` from :func:`compact_bytes` output, checked against the context
+    (level in its chain, sizes, length); reduction modulo each prime is checked on writing."""
+    if len(blob) < _COMPACT_META.size:
+        raise ProtocolError(f"compact ciphertext of {len(blob)} bytes is shorter than its header")
+    magic, *fields = _COMPACT_META.unpack_from(blob)
+    if magic != COMPACT_MAGIC:
+        raise ProtocolError("not a compact fedfm ciphertext (bad magic)")
+    parms_id = tuple(fields[:4])
+    is_ntt, size, k, log_degree, scale, correction = fields[4:]
+    primes = primes_of(seal_context, parms_id)
+    degree = context_data(seal_context, parms_id).parms().poly_modulus_degree()
+    if k != len(primes) or 1 << log_degree != degree or not 2 <= size <= CIPHERTEXT_SIZE_MAX:
+        raise ProtocolError(
+            f"compact ciphertext claims size {size}, {k} primes and N = 2^{log_degree}; its "
+            f"level has {len(primes)} primes and N = {degree}"
+        )
+    offset = _COMPACT_META.size + k
+    widths = list(blob[_COMPACT_META.size : offset])
+    if len(widths) != k or not all(1 <= width <= 8 for width in widths):
+        raise ProtocolError(f"compact ciphertext has invalid residue widths {widths}")
+    expected = offset + size * degree * sum(widths)
+    if len(blob) != expected or not math.isfinite(scale) or scale <= 0:
+        raise ProtocolError(
+            f"compact ciphertext has {len(blob)} bytes, expected {expected} (truncated?)"
+        )
+    octets = np.zeros((size, k, degree, 8), dtype=np.uint8)
+    for j, width in enumerate(widths):
+        chunk = size * degree * width
+        part = np.frombuffer(blob, dtype=np.uint8, count=chunk, offset=offset)
+        octets[:, j, :, :width] = part.reshape(size, degree, width)
+        offset += chunk
+    data = octets.view("<u8").reshape(size, k, degree).astype(np.uint64)
+    return RawCiphertext(parms_id, bool(is_ntt), scale, data, correction)
+
+
 # --- file exchange with SEAL ---------------------------------------------------------------
 
 
@@ -217,6 +295,16 @@ def _remove_folder(folder: str, owner_pid: int) -> None:
     # parent's scratch folder.
     if os.getpid() == owner_pid:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _read_direct(ciphertext: Any) -> RawCiphertext:
+    return RawCiphertext(
+        tuple(ciphertext.parms_id()),
+        ciphertext.is_ntt_form(),
+        ciphertext.scale,
+        seal_memory.read_ciphertext_words(ciphertext),
+        seal_memory.correction_factor(ciphertext),
+    )
 
 
 class SealIO:
@@ -245,6 +333,9 @@ class SealIO:
         return Path(self._path).read_bytes()
 
     def load_ciphertext(self, blob: bytes) -> sealapi.Ciphertext:
+        """A ciphertext of this context from the compact wire form or SEAL's own bytes."""
+        if bytes(blob[: len(COMPACT_MAGIC)]) == COMPACT_MAGIC:
+            return self.write_ciphertext(parse_compact(blob, self.seal_context))
         Path(self._path).write_bytes(blob)
         ciphertext = sealapi.Ciphertext(self.seal_context)
         try:
@@ -265,13 +356,7 @@ class SealIO:
     def read_ciphertext(self, ciphertext: Any) -> RawCiphertext:
         if not self.direct:
             return parse_ciphertext(self.save(ciphertext))
-        return RawCiphertext(
-            tuple(ciphertext.parms_id()),
-            ciphertext.is_ntt_form(),
-            ciphertext.scale,
-            seal_memory.read_ciphertext_words(ciphertext),
-            seal_memory.correction_factor(ciphertext),
-        )
+        return _read_direct(ciphertext)
 
     def write_ciphertext(self, raw: RawCiphertext) -> sealapi.Ciphertext:
         """A ciphertext holding ``raw``, checked as SEAL's ``load`` checks it."""
@@ -362,7 +447,21 @@ def seal_bytes(item: Any) -> bytes:
 
 def read_ciphertext(ciphertext: Any) -> RawCiphertext:
     """The fields and coefficients of a SEAL (or TenSEAL-held) ciphertext."""
+    if seal_memory.available():
+        return _read_direct(ciphertext)
     return parse_ciphertext(seal_bytes(ciphertext))
+
+
+def plaintext_words(plaintext: Any) -> np.ndarray:
+    """The coefficients of a SEAL plaintext, flat (``k * N`` words for a CKKS one)."""
+    if seal_memory.available():
+        return seal_memory.read_plaintext_words(plaintext)
+    return parse_plaintext(seal_bytes(plaintext)).data
+
+
+def dumps(ciphertext: Any) -> bytes:
+    """The compact wire form of ``ciphertext`` (see the module docstring)."""
+    return compact_bytes(read_ciphertext(ciphertext))
 
 
 def write_ciphertext(context: Any, raw: RawCiphertext) -> sealapi.Ciphertext:

@@ -80,18 +80,18 @@ def _loaded(role: str, context_bytes: bytes, mask_bits: int = 0) -> Any:
 
 
 def refresh_blobs(context_bytes: bytes, blobs: Sequence[bytes]) -> list[bytes]:
-    """In a worker: SEAL bytes of masked ciphertexts -> SEAL bytes of fresh ones."""
-    from fedfm.crypto.seal_raw import seal_bytes
+    """In a worker: masked ciphertexts -> fresh ones (wire forms, :func:`seal_raw.dumps`)."""
+    from fedfm.crypto.seal_raw import dumps
 
     io, client = _loaded("client", context_bytes)
     fresh = client.refresh_many([io.load_ciphertext(blob) for blob in blobs])
-    return [seal_bytes(ct) for ct in fresh]
+    return [dumps(ct) for ct in fresh]
 
 
 def mask_material_blobs(
     context_bytes: bytes, mask_bits: int, count: int
 ) -> list[tuple[bytes, bytes]]:
-    """In a worker: ``count`` pieces of mask material as SEAL bytes."""
+    """In a worker: ``count`` pieces of mask material as bytes (:meth:`MaskMaterial.to_bytes`)."""
     _, server = _loaded("server", context_bytes, mask_bits)
     return [server.prepare().to_bytes() for _ in range(count)]
 
