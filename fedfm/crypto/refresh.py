@@ -375,6 +375,8 @@ class RefreshServer(_OnChain):
         """:meth:`mask` for several ciphertexts, with material made ahead by the worker if any."""
         supply = self._supply
         materials = [None] * len(ciphertexts) if supply is None else supply.take(len(ciphertexts))
+        if supply is not None:
+            supply.pause()  # the workers are about to be needed for the refresh itself
         return [
             self.mask(ct, material) for ct, material in zip(ciphertexts, materials, strict=True)
         ]
@@ -466,6 +468,11 @@ class _MaskSupply:
                 )
             except BrokenProcessPool as error:
                 self._fail(error)
+
+    def pause(self) -> None:
+        """Withdraw the requests no worker has started, so that a refresh sent to the same pool
+        (a data owner on this machine) does not queue behind them; :meth:`top_up` resumes."""
+        self._pending = deque(future for future in self._pending if not future.cancel())
 
     def take(self, count: int) -> list[MaskMaterial | None]:
         """``count`` pieces of material; ``None`` (made on the spot) once the worker fails."""
