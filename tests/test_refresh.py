@@ -12,13 +12,18 @@ from scipy import stats
 
 from fedfm.crypto import seal_memory
 from fedfm.crypto.refresh import (
+    FRESH_NOISE_PER_DEGREE,
+    ZERO_NOISE_ETA,
     MaskedCiphertext,
     RefreshClient,
     RefreshServer,
     observe_masked,
+    sample_centered_binomial,
+    sample_ternary,
     sample_uniform_mask,
     seal_deserialize,
     seal_serialize,
+    secure_random_bytes,
 )
 from fedfm.crypto.seal_raw import (
     RawCiphertext,
@@ -261,6 +266,46 @@ def test_mask_sampler_is_uniform_on_the_closed_interval():
 
 
 # --- the protocol --------------------------------------------------------------------------
+
+
+def test_samplers_of_the_encryption_of_zero():
+    ternary = sample_ternary(30_000, secure_random_bytes)
+    counts = np.bincount(ternary + 1, minlength=3)
+    assert counts.size == 3 and np.abs(counts / 10_000 - 1).max() < 0.05
+    noise = sample_centered_binomial(50_000, ZERO_NOISE_ETA, secure_random_bytes)
+    assert np.abs(noise).max() <= ZERO_NOISE_ETA
+    assert abs(noise.mean()) < 0.05 and abs(noise.var() / (ZERO_NOISE_ETA / 2) - 1) < 0.05
+    assert secure_random_bytes(32) != secure_random_bytes(32)
+    with pytest.raises(CryptoParameterError, match="eta"):
+        sample_centered_binomial(8, 40, secure_random_bytes)
+
+
+def test_mask_material_decrypts_to_the_mask_plus_small_noise(keys, server):
+    private, _ = keys
+    material = server.prepare()
+    observed = _client_view(private, material.offset)  # decryption of Enc(0) + (r, 0)
+    r = -_lift_plaintext(private, material.negated)  # the server's own r
+    noise = observed - r
+    degree = 8192
+    assert np.abs(noise).max() <= FRESH_NOISE_PER_DEGREE * degree
+    assert np.abs(noise).max() > 0  # an encryption, not a bare r
+    other = server.prepare()
+    first_c1 = read_ciphertext(material.offset).data[1]
+    assert not np.array_equal(first_c1, read_ciphertext(other.offset).data[1])
+
+
+def _client_view(private: ts.Context, ciphertext) -> np.ndarray:
+    """The centered integer coefficients the secret key decrypts ``ciphertext`` to."""
+    return RefreshClient(private).observe(ciphertext).astype(object)
+
+
+def _lift_plaintext(private: ts.Context, plaintext) -> np.ndarray:
+    """Centered integer coefficients (modulo q0 q1) of a top-level NTT-form plaintext."""
+    io = SealIO(private)
+    raw = read_plaintext(private, plaintext)
+    coefficients = io.from_ntt(raw.parms_id, raw.data[None])[0]
+    primes = primes_of(_seal(private), raw.parms_id)
+    return crt_lift(coefficients[0], coefficients[1], primes[0], primes[1]).to_int()
 
 
 def test_round_trip_refreshes_to_the_top_level(keys, server, client):

@@ -41,10 +41,12 @@ ciphertext ``2^-40`` at that value bound needs ``bits(q_ref) >= 106`` (e.g. a 50
 
 Randomness
 ----------
-``r`` comes from ``os.urandom`` (through :func:`secrets.token_bytes`), about 0.5 MB per mask at
-N = 16384 (a millisecond). A seeded non-cryptographic generator such as PCG64 would be faster
-but is unsafe here: the client sees ``x + r`` with ``x`` tiny next to ``r``, i.e. nearly the raw
-generator output, from which PCG64's state (and with it every later mask) can be recovered.
+``r`` and the encryption of zero's ``u`` and ``e1`` come from :func:`secure_random_bytes`: an
+AES-256-CTR keystream under a fresh key from ``os.urandom`` per call (a cryptographically secure
+generator, about ten times faster than ``os.urandom`` itself for the 0.5 MB a mask takes at
+N = 16384). A seeded non-cryptographic generator such as PCG64 would be unsafe here: the client
+sees ``x + r`` with ``x`` tiny next to ``r``, i.e. nearly the raw generator output, from which
+PCG64's state (and with it every later mask) can be recovered.
 The ``rng`` argument (a NumPy ``Generator``) exists for reproducible tests only.
 """
 
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -63,10 +65,12 @@ from typing import Any
 import numpy as np
 import tenseal as ts
 import tenseal.sealapi as sealapi
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedfm.crypto.seal_raw import (
     MixedRadix,
     ParmsId,
+    RawCiphertext,
     RawPlaintext,
     SealIO,
     addmod,
@@ -74,7 +78,9 @@ from fedfm.crypto.seal_raw import (
     crt_lift,
     dumps,
     mulmod,
+    parse_ciphertext,
     plaintext_words,
+    seal_bytes,
     submod,
 )
 from fedfm.crypto.workers import WorkerPool, discard_pool, mask_material_blobs, shared_pool
@@ -84,8 +90,11 @@ _LOG = logging.getLogger(__name__)
 
 # The mask must hide a unit slot value at the context's scale to this many bits per coefficient.
 MIN_HIDING_BITS = 40
-# |noise| of SEAL's public-key encryption of zero at a lower level, per unit of N:
-# |e u| + |e1 s| <= 2 * 19 N (errors clipped at 6 sigma = 19.2, ternary u, s), plus rounding.
+# Errors of the encryption of zero: centered binomial with this parameter (variance 10.5, the
+# standard deviation 3.2 of SEAL's errors; |e| <= 21).
+ZERO_NOISE_ETA = 21
+# |noise| of that encryption, per unit of N: |e_pk u| + |e1 s| <= 19.2 N + 21 N (SEAL's
+# public-key error is clipped at 6 sigma = 19.2; u and s are ternary).
 FRESH_NOISE_PER_DEGREE = 64
 _WORD = 1 << 64
 # Bytes of mask material a server keeps made ahead per data owner.
@@ -242,6 +251,43 @@ def sample_uniform_mask(
     return np.stack(limbs)
 
 
+def secure_random_bytes(count: int) -> bytes:
+    """``count`` cryptographically secure random bytes: the AES-256-CTR keystream of a fresh
+    key and counter block from ``os.urandom``."""
+    cipher = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16)))
+    return cipher.encryptor().update(bytes(count))
+
+
+def sample_ternary(degree: int, random_bytes: Callable[[int], bytes]) -> np.ndarray:
+    """``degree`` integers uniform on ``{-1, 0, 1}`` (bytes below 243 = 3^5, taken mod 3)."""
+    out: list[np.ndarray] = []
+    have = 0
+    while have < degree:
+        octets = np.frombuffer(random_bytes(degree - have + 64), dtype=np.uint8)
+        kept = octets[octets < 243]
+        out.append(kept[: degree - have])
+        have += out[-1].size
+    return np.concatenate(out).astype(np.int64) % 3 - 1
+
+
+def sample_centered_binomial(
+    degree: int, eta: int, random_bytes: Callable[[int], bytes]
+) -> np.ndarray:
+    """``degree`` samples of ``popcount(a) - popcount(b)`` for uniform ``eta``-bit ``a, b``."""
+    if not 1 <= eta <= 32:
+        raise CryptoParameterError(f"eta must be in [1, 32], got {eta}")
+    words = np.frombuffer(random_bytes(8 * degree), dtype="<u8").astype(np.uint64)
+    low = np.uint64((1 << eta) - 1)
+    first = np.bitwise_count(words & low).astype(np.int64)
+    second = np.bitwise_count((words >> np.uint64(eta)) & low).astype(np.int64)
+    return first - second
+
+
+def _residues(values: np.ndarray, primes: Sequence[int]) -> np.ndarray:
+    """Small signed integers as residues modulo each prime: shape ``(len(primes), len(values))``."""
+    return np.stack([np.where(values < 0, values + p, values).astype(np.uint64) for p in primes])
+
+
 class _OnChain:
     """Shared by both sides: the levels a refresh goes between."""
 
@@ -310,12 +356,18 @@ class RefreshServer(_OnChain):
                 f"coefficient (need 2^-{MIN_HIDING_BITS}); use larger q0 and q1"
             )
         self._random_bytes: Callable[[int], bytes] = (
-            secrets.token_bytes if rng is None else rng.bytes
+            secure_random_bytes if rng is None else rng.bytes
         )
         seal_context = self._chain.seal_context
         self._evaluator = sealapi.Evaluator(seal_context)
-        self._encryptor = sealapi.Encryptor(seal_context, context.public_key().data)
         self._io = SealIO(seal_context)
+        # The public key's residues modulo q0 and q1 (its first two rows: SEAL's key level holds
+        # the data primes in chain order, then the special prime) are the public key of the
+        # refresh level, where encryptions of zero are made directly.
+        key = parse_ciphertext(seal_bytes(context.public_key().data.data()))
+        self._public_key = self._io.write_ciphertext(
+            RawCiphertext(self._chain.refresh_parms_id, True, 1.0, key.data[:, :2])
+        )
         self.public_context_bytes = context.serialize(
             save_public_key=True,
             save_secret_key=False,
@@ -349,22 +401,33 @@ class RefreshServer(_OnChain):
         return min(1.0, self._chain.degree * self.statistical_distance_bound(value_bound, scale))
 
     def prepare(self) -> MaskMaterial:
-        """Fresh mask material: a new ``r`` and a new encryption of zero (no data involved)."""
-        chain = self._chain
-        limbs = sample_uniform_mask(
-            chain.degree, self._mask_bits, chain.top_primes, self._random_bytes
-        )
-        # One NTT at the top level serves both: the refresh level's primes lead the top level's
-        # and SEAL's transform of a residue row depends only on its prime.
-        ntt = self._io.to_ntt(chain.top_parms_id, limbs[None])[0]
+        """Fresh mask material: a new ``r`` and a new encryption of zero (no data involved).
+
+        The offset is ``(pk0 u + r, pk1 u + e1)`` at the refresh level, with ternary ``u`` and
+        centered binomial ``e1`` (:data:`ZERO_NOISE_ETA`): an encryption of zero made there
+        directly (SEAL's ``encrypt_zero`` encrypts a level up and divides, at three times the
+        cost) whose ``c0`` error is the mask itself.
+        """
+        chain, degree = self._chain, self._chain.degree
+        limbs = sample_uniform_mask(degree, self._mask_bits, chain.top_primes, self._random_bytes)
+        small = [
+            sample_ternary(degree, self._random_bytes),
+            sample_centered_binomial(degree, ZERO_NOISE_ETA, self._random_bytes),
+        ]
+        polys = np.stack([limbs, *(_residues(values, chain.top_primes) for values in small)])
+        # One batch of NTTs at the top level serves both levels: the refresh level's primes lead
+        # the top level's and SEAL's transform of a residue row depends only on its prime.
+        r, u, e1 = self._io.to_ntt(chain.top_parms_id, polys)
+        refresh = chain.refresh_parms_id
+        u_plain = self._io.write_plaintext(RawPlaintext(refresh, 1.0, u[:2]))
         offset = sealapi.Ciphertext(chain.seal_context)
-        self._encryptor.encrypt_zero(list(chain.refresh_parms_id), offset)
-        self._io.add_ntt_inplace(offset, ntt[:2])
+        self._evaluator.multiply_plain(self._public_key, u_plain, offset)
+        # c0 gets r and no error term of its own: the client's view is c1 and the decryption,
+        # and r (uniform on 2B + 1 values) already covers c0.
+        masked = RawCiphertext(refresh, True, 1.0, np.stack([r[:2], e1[:2]]))
+        self._evaluator.add_inplace(offset, self._io.write_ciphertext(masked))
         negated = np.stack(
-            [
-                submod(np.zeros_like(row), row, p)
-                for row, p in zip(ntt, chain.top_primes, strict=True)
-            ]
+            [submod(np.zeros_like(row), row, p) for row, p in zip(r, chain.top_primes, strict=True)]
         )
         negated_plain = self._io.write_plaintext(RawPlaintext(chain.top_parms_id, 1.0, negated))
         return MaskMaterial(offset, negated_plain)
