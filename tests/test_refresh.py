@@ -289,6 +289,9 @@ def test_mask_material_decrypts_to_the_mask_plus_small_noise(keys, server):
     degree = 8192
     assert np.abs(noise).max() <= FRESH_NOISE_PER_DEGREE * degree
     assert np.abs(noise).max() > 0  # an encryption, not a bare r
+    # divided down from the level above: the rounding's spread (about 0.3 sqrt(2N/3) = 21), not
+    # that of u e_pk + e1 s (about 3.2 sqrt(4N/3) = 330)
+    assert float(np.std(noise.astype(np.float64))) < 60
     other = server.prepare()
     first_c1 = read_ciphertext(material.offset).data[1]
     assert not np.array_equal(first_c1, read_ciphertext(other.offset).data[1])

@@ -93,8 +93,9 @@ MIN_HIDING_BITS = 40
 # Errors of the encryption of zero: centered binomial with this parameter (variance 10.5, the
 # standard deviation 3.2 of SEAL's errors; |e| <= 21).
 ZERO_NOISE_ETA = 21
-# |noise| of that encryption, per unit of N: |e_pk u| + |e1 s| <= 19.2 N + 21 N (SEAL's
-# public-key error is clipped at 6 sigma = 19.2; u and s are ternary).
+# |noise| of that encryption, per unit of N: (|e_pk u| + |e1 s|) / q2 + rounding, with
+# |e_pk u| + |e1 s| <= 19.2 N + 21 N (SEAL's public-key error is clipped at 6 sigma = 19.2; u
+# and s are ternary) and rounding <= 1/2 + N/2: below N in all; 64 N leaves room.
 FRESH_NOISE_PER_DEGREE = 64
 _WORD = 1 << 64
 # Bytes of mask material a server keeps made ahead per data owner.
@@ -184,8 +185,11 @@ class _Chain:
                 "level [q0, q1] strictly below the top level, i.e. at least three data primes"
             )
         level = top
-        while level.chain_index() > 1:
+        while level.chain_index() > 2:
             level = level.next_context_data()
+        # One level above the refresh level: encryptions of zero are made there and divided down.
+        self.above_refresh_parms_id: ParmsId = tuple(level.parms_id())
+        level = level.next_context_data()
         self.refresh_parms_id: ParmsId = tuple(level.parms_id())
         self.q0, self.q1 = (m.value() for m in level.parms().coeff_modulus())
         # SEAL drops primes from the end, so the refresh primes lead the top level's; the mask's
@@ -361,12 +365,12 @@ class RefreshServer(_OnChain):
         seal_context = self._chain.seal_context
         self._evaluator = sealapi.Evaluator(seal_context)
         self._io = SealIO(seal_context)
-        # The public key's residues modulo q0 and q1 (its first two rows: SEAL's key level holds
-        # the data primes in chain order, then the special prime) are the public key of the
-        # refresh level, where encryptions of zero are made directly.
+        # The public key's residues modulo q0, q1, q2 (its first rows: SEAL's key level holds the
+        # data primes in chain order, then the special prime) are the public key of the level
+        # above the refresh level, where encryptions of zero are made directly.
         key = parse_ciphertext(seal_bytes(context.public_key().data.data()))
         self._public_key = self._io.write_ciphertext(
-            RawCiphertext(self._chain.refresh_parms_id, True, 1.0, key.data[:, :2])
+            RawCiphertext(self._chain.above_refresh_parms_id, True, 1.0, key.data[:, :3])
         )
         self.public_context_bytes = context.serialize(
             save_public_key=True,
@@ -403,10 +407,11 @@ class RefreshServer(_OnChain):
     def prepare(self) -> MaskMaterial:
         """Fresh mask material: a new ``r`` and a new encryption of zero (no data involved).
 
-        The offset is ``(pk0 u + r, pk1 u + e1)`` at the refresh level, with ternary ``u`` and
-        centered binomial ``e1`` (:data:`ZERO_NOISE_ETA`): an encryption of zero made there
-        directly (SEAL's ``encrypt_zero`` encrypts a level up and divides, at three times the
-        cost) whose ``c0`` error is the mask itself.
+        The offset is ``Enc(0) + (r, 0)`` at the refresh level. ``Enc(0)`` is made as SEAL makes
+        one, at less than half the cost: ``(pk0 u, pk1 u + e1)`` one level up, with ternary ``u``
+        and centered binomial ``e1`` (:data:`ZERO_NOISE_ETA`), divided by that level's last
+        prime (which divides its noise ``u e_pk + e1 s`` too). ``c0`` needs no error term of its
+        own: the client's view is ``c1`` and the decryption, where ``r`` covers everything.
         """
         chain, degree = self._chain, self._chain.degree
         limbs = sample_uniform_mask(degree, self._mask_bits, chain.top_primes, self._random_bytes)
@@ -415,17 +420,19 @@ class RefreshServer(_OnChain):
             sample_centered_binomial(degree, ZERO_NOISE_ETA, self._random_bytes),
         ]
         polys = np.stack([limbs, *(_residues(values, chain.top_primes) for values in small)])
-        # One batch of NTTs at the top level serves both levels: the refresh level's primes lead
-        # the top level's and SEAL's transform of a residue row depends only on its prime.
+        # One batch of NTTs at the top level serves every level: lower levels' primes lead the
+        # top level's, and SEAL's transform of a residue row depends only on its prime.
         r, u, e1 = self._io.to_ntt(chain.top_parms_id, polys)
-        refresh = chain.refresh_parms_id
-        u_plain = self._io.write_plaintext(RawPlaintext(refresh, 1.0, u[:2]))
+        above = chain.above_refresh_parms_id
+        u_plain = self._io.write_plaintext(RawPlaintext(above, 1.0, u[:3]))
         offset = sealapi.Ciphertext(chain.seal_context)
         self._evaluator.multiply_plain(self._public_key, u_plain, offset)
-        # c0 gets r and no error term of its own: the client's view is c1 and the decryption,
-        # and r (uniform on 2B + 1 values) already covers c0.
-        masked = RawCiphertext(refresh, True, 1.0, np.stack([r[:2], e1[:2]]))
-        self._evaluator.add_inplace(offset, self._io.write_ciphertext(masked))
+        error = RawCiphertext(above, True, 1.0, np.stack([np.zeros_like(e1[:3]), e1[:3]]))
+        self._evaluator.add_inplace(offset, self._io.write_ciphertext(error))
+        offset.scale = float(chain.top_primes[2])  # the division leaves scale 1
+        self._evaluator.rescale_to_next_inplace(offset)
+        offset.scale = 1.0
+        self._io.add_ntt_inplace(offset, r[:2])
         negated = np.stack(
             [submod(np.zeros_like(row), row, p) for row, p in zip(r, chain.top_primes, strict=True)]
         )
