@@ -21,6 +21,7 @@ from fedfm.crypto.refresh import (
     sample_centered_binomial,
     sample_ternary,
     sample_uniform_mask,
+    sample_uniform_residues,
     seal_deserialize,
     seal_serialize,
     secure_random_bytes,
@@ -276,6 +277,12 @@ def test_samplers_of_the_encryption_of_zero():
     assert np.abs(noise).max() <= ZERO_NOISE_ETA
     assert abs(noise.mean()) < 0.05 and abs(noise.var() / (ZERO_NOISE_ETA / 2) - 1) < 0.05
     assert secure_random_bytes(32) != secure_random_bytes(32)
+    primes = [97, 1099510890497]
+    uniform = sample_uniform_residues(3, 9700, primes, secure_random_bytes)
+    assert uniform.shape == (3, 2, 9700) and (uniform[:, 1] < primes[1]).all()
+    counts = np.bincount(uniform[:, 0].ravel().astype(np.int64), minlength=97)
+    assert counts.size == 97 and np.abs(counts / 300 - 1).max() < 0.35  # 300 expected each
+    assert abs(float(uniform[:, 1].mean()) / (primes[1] / 2) - 1) < 0.01
     with pytest.raises(CryptoParameterError, match="eta"):
         sample_centered_binomial(8, 40, secure_random_bytes)
 

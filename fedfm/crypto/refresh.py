@@ -68,6 +68,7 @@ import tenseal.sealapi as sealapi
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedfm.crypto.seal_raw import (
+    CIPHERTEXT_SIZE_MAX,
     MixedRadix,
     ParmsId,
     RawCiphertext,
@@ -260,6 +261,26 @@ def secure_random_bytes(count: int) -> bytes:
     key and counter block from ``os.urandom``."""
     cipher = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16)))
     return cipher.encryptor().update(bytes(count))
+
+
+def sample_uniform_residues(
+    count: int, degree: int, primes: Sequence[int], random_bytes: Callable[[int], bytes]
+) -> np.ndarray:
+    """``(count, len(primes), degree)`` residues, each uniform modulo its prime (rejection
+    sampling of ``bits(p)``-bit words)."""
+    out = np.empty((count, len(primes), degree), dtype=np.uint64)
+    needed = count * degree
+    for j, prime in enumerate(primes):
+        kept: list[np.ndarray] = []
+        have = 0
+        while have < needed:
+            draw = needed - have + needed // 8 + 64
+            words = np.frombuffer(random_bytes(8 * draw), dtype="<u8").astype(np.uint64)
+            words &= np.uint64((1 << prime.bit_length()) - 1)
+            kept.append(words[words < np.uint64(prime)][: needed - have])
+            have += kept[-1].size
+        out[:, j, :] = np.concatenate(kept).reshape(count, degree)
+    return out
 
 
 def sample_ternary(degree: int, random_bytes: Callable[[int], bytes]) -> np.ndarray:
@@ -583,8 +604,14 @@ class RefreshClient(_OnChain):
         seal_context = self._chain.seal_context
         secret_key = context.secret_key().data
         self._decryptor = sealapi.Decryptor(seal_context, secret_key)
-        self._encryptor = sealapi.Encryptor(seal_context, secret_key)
+        self._evaluator = sealapi.Evaluator(seal_context)
         self._io = SealIO(seal_context)
+        # s in NTT form at the top level: the key level's rows for the data primes.
+        top_rows = len(self._chain.top_primes)
+        words = plaintext_words(secret_key.data()).reshape(-1, self._chain.degree)
+        self._secret = self._io.write_plaintext(
+            RawPlaintext(self._chain.top_parms_id, 1.0, words[:top_rows])
+        )
 
     def _unwrap(self, masked: MaskedCiphertext | Ciphertext) -> Ciphertext:
         ciphertext = masked.ciphertext if isinstance(masked, MaskedCiphertext) else masked
@@ -624,18 +651,39 @@ class RefreshClient(_OnChain):
         if not ciphertexts:
             return []
         chain = self._chain
-        residues = self._lift(ciphertexts).residues(chain.top_primes)  # (k_top, m, N)
-        polys = self._io.to_ntt(chain.top_parms_id, residues.transpose(1, 0, 2))
-        fresh = []
-        for poly, source in zip(polys, ciphertexts, strict=True):
-            # Symmetric encryption of zero plus the lifted polynomial: encrypt_symmetric's
-            # own steps, with the polynomial entering in coefficient form.
-            out = sealapi.Ciphertext(chain.seal_context)
-            self._encryptor.encrypt_zero_symmetric(list(chain.top_parms_id), out)
-            out.scale = source.scale
-            self._io.add_ntt_inplace(out, poly)
-            fresh.append(out)
-        return fresh
+        primes, top = chain.top_primes, chain.top_parms_id
+        lifted = self._lift(ciphertexts).residues(primes)  # (k_top, m, N)
+        # Symmetric encryption, batched: (NTT(y + e) - a s, a) with a uniform (sampled in the
+        # NTT domain, where it is just as uniform) and e centered binomial, as SEAL's
+        # encrypt_symmetric but with the polynomial y entering in coefficient form.
+        count, degree = len(ciphertexts), chain.degree
+        errors = sample_centered_binomial(count * degree, ZERO_NOISE_ETA, secure_random_bytes)
+        errors = _residues(errors, primes).reshape(len(primes), count, degree)
+        moduli = np.asarray(primes, dtype=np.uint64)[:, None, None]  # below 2^60: sums fit
+        messages = ((lifted + errors) % moduli).transpose(1, 0, 2)
+        polys = self._io.to_ntt(top, messages)
+        uniform = sample_uniform_residues(count, degree, primes, secure_random_bytes)
+        moduli = moduli.transpose(1, 0, 2)
+        firsts = (polys + (moduli - self._times_secret(uniform))) % moduli
+        return [
+            self._io.write_ciphertext(RawCiphertext(top, True, source.scale, np.stack([c0, a])))
+            for c0, a, source in zip(firsts, uniform, ciphertexts, strict=True)
+        ]
+
+    def _times_secret(self, polys: np.ndarray) -> np.ndarray:
+        """``poly * s`` for NTT-form top-level polynomials ``polys`` (m, k, N), batched in
+        SEAL's ``multiply_plain`` (a scratch ciphertext carries up to 16 polynomials)."""
+        top = self._chain.top_parms_id
+        out = np.empty_like(polys)
+        for start in range(0, len(polys), CIPHERTEXT_SIZE_MAX):
+            block = polys[start : start + CIPHERTEXT_SIZE_MAX]
+            real = len(block)
+            if real == 1:  # a ciphertext has at least two polynomials
+                block = np.concatenate([block, block])
+            scratch = self._io.write_ciphertext(RawCiphertext(top, True, 1.0, block))
+            self._evaluator.multiply_plain_inplace(scratch, self._secret)
+            out[start : start + real] = self._io.read_ciphertext(scratch).data[:real]
+        return out
 
 
 def observe_masked(client: RefreshClient, masked: MaskedCiphertext | Ciphertext) -> np.ndarray:

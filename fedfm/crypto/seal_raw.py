@@ -34,8 +34,8 @@ checks either as strictly as SEAL's ``load``.
 
 Going between NTT and coefficient form uses SEAL's own transforms on a scratch ciphertext that
 carries the polynomials. SEAL (built with ``SEAL_THROW_ON_TRANSPARENT_CIPHERTEXT``) refuses a
-ciphertext whose polynomials after the first are all zero, so the scratch ciphertext always ends
-with a nonzero guard polynomial.
+ciphertext whose polynomials after the first are all zero, so a scratch ciphertext without a
+nonzero polynomial after its first gets a guard polynomial appended.
 
 Modular arithmetic works on ``uint64`` arrays for primes below 2^60 without overflow.
 """
@@ -401,18 +401,23 @@ class SealIO:
         if polys.ndim != 3:
             raise ProtocolError(f"polynomials must be (m, k, N), got shape {polys.shape}")
         count, k, degree = polys.shape
-        # The guard (all ones) keeps the scratch ciphertext from being "transparent".
-        guard = np.ones((1, k, degree), dtype=np.uint64)
         out = np.empty_like(polys)
-        chunk = CIPHERTEXT_SIZE_MAX - 1
-        for start in range(0, count, chunk):
-            block = np.concatenate([polys[start : start + chunk], guard])
+        start = 0
+        while start < count:
+            block = polys[start : start + CIPHERTEXT_SIZE_MAX]
+            real = len(block)
+            if real < 2 or not block[1:].any():
+                # A guard (all ones) keeps the scratch ciphertext from being "transparent".
+                real = min(real, CIPHERTEXT_SIZE_MAX - 1)
+                guard = np.ones((1, k, degree), dtype=np.uint64)
+                block = np.concatenate([block[:real], guard])
             scratch = self.write_ciphertext(RawCiphertext(parms_id, not to_ntt, 1.0, block))
             if to_ntt:
                 self._evaluator.transform_to_ntt_inplace(scratch)
             else:
                 self._evaluator.transform_from_ntt_inplace(scratch)
-            out[start : start + chunk] = self.read_ciphertext(scratch).data[:-1]
+            out[start : start + real] = self.read_ciphertext(scratch).data[:real]
+            start += real
         return out
 
     def add_ntt_inplace(self, ciphertext: Any, poly: np.ndarray) -> None:
