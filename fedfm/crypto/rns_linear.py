@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fedfm.crypto.seal_raw import RawCiphertext, SealIO, addmod, mulmod, primes_of
+from fedfm.crypto.seal_raw import RawCiphertext, SealIO, addmod, primes_of
 from fedfm.errors import ProtocolError
 
 LIMB_BITS = 20
@@ -50,19 +50,34 @@ def integer_weights(weight: np.ndarray, last_prime: int) -> tuple[np.ndarray, in
     return np.rint(weight * (last_prime / 2.0**shift)), shift
 
 
+def shift_mod(values: np.ndarray, bits: int, prime: int) -> np.ndarray:
+    """``values * 2**bits mod prime`` for ``values`` reduced modulo ``prime < 2**60``, in shifts
+    of ``63 - bits(prime)`` bits (each stays below ``2**63``)."""
+    step = 63 - prime.bit_length()
+    out = np.asarray(values, dtype=np.uint64)
+    while bits > 0:
+        shift = min(step, bits)
+        out = (out << np.uint64(shift)) % np.uint64(prime)
+        bits -= shift
+    return out
+
+
 def linear_residues(
     residues: np.ndarray, small_weight: np.ndarray, shift: int, prime: int
 ) -> np.ndarray:
-    """``(W' * 2**shift) @ residues mod prime`` exactly; ``residues`` is ``uint64`` (in, M)."""
-    out = None
+    """``(W' * 2**shift) @ residues mod prime`` exactly; ``residues`` is ``uint64`` (in, M).
+
+    Horner's rule over the limbs, from the most significant: ``acc = acc * 2**LIMB_BITS +
+    W' @ limb_t`` (each partial product reduced first), then ``acc * 2**shift``.
+    """
     limb_mask = np.uint64((1 << LIMB_BITS) - 1)
-    for t in range(math.ceil(prime.bit_length() / LIMB_BITS)):
+    acc = None
+    for t in reversed(range(math.ceil(prime.bit_length() / LIMB_BITS))):
         limb = ((residues >> np.uint64(LIMB_BITS * t)) & limb_mask).astype(np.float64)
-        partial = (small_weight @ limb).astype(np.int64) % np.int64(prime)
-        part = mulmod(partial.astype(np.uint64), pow(2, LIMB_BITS * t + shift, prime), prime)
-        out = part if out is None else addmod(out, part, prime)
-    assert out is not None  # every prime has at least one limb
-    return out
+        partial = ((small_weight @ limb).astype(np.int64) % np.int64(prime)).view(np.uint64)
+        acc = partial if acc is None else addmod(shift_mod(acc, LIMB_BITS, prime), partial, prime)
+    assert acc is not None  # every prime has at least one limb
+    return shift_mod(acc, shift, prime)
 
 
 def linear_map(
