@@ -318,8 +318,15 @@ def _lift_plaintext(private: ts.Context, plaintext) -> np.ndarray:
     return crt_lift(coefficients[0], coefficients[1], primes[0], primes[1]).to_int()
 
 
-def test_round_trip_refreshes_to_the_top_level(keys, server, client):
+@pytest.fixture
+def fresh_pair(keys, access):
+    """A server and client built under ``access`` (SEAL's memory or its files)."""
+    return RefreshServer(keys[1]), RefreshClient(keys[0])
+
+
+def test_round_trip_refreshes_to_the_top_level(keys, fresh_pair):
     private, public = keys
+    server, client = fresh_pair
     values = np.random.default_rng(0).uniform(-300, 300, 4096)
     ciphertext = _times(public, _wire(public, _encrypt(private, values)), 0.5)
     assert (
