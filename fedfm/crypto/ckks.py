@@ -26,10 +26,13 @@ Wire format
 -----------
 A batch payload holds ``blob`` (every ciphertext's SEAL serialization after an 8-byte
 little-endian length, feature-major), ``shape`` and ``layout`` (int64), ``context`` (the
-fingerprint of the key it is under) and ``digest`` (SHA-256 over the others). Loaders compare the
-fingerprint with their own, check the digest, let SEAL validate every ciphertext against the
-context, and check levels where the protocol fixes them (uploads and refreshes come at the top
-level). None of this authenticates the sender: that is the transport's job.
+fingerprint of the key it is under) and ``digest`` (a CRC-32 checksum over the others, against
+truncation and corruption: an unkeyed digest, however strong, is recomputed by whoever alters the
+payload, so SHA-256 would add cost and no protection). Loaders compare the fingerprint with their
+own, check the digest, validate every ciphertext against the context (levels, lengths, residues
+below their primes), and check levels where the protocol fixes them (uploads and refreshes come at
+the top level). None of this authenticates the sender or stops tampering on the way: that is the
+transport's job (TLS on the Deployment Engine).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import zlib
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import cached_property
@@ -222,9 +226,8 @@ def _digest(fingerprint: bytes, *arrays_and_blob: Any) -> bytes:
     for array in arrays:
         data = np.ascontiguousarray(array, dtype="<i8").tobytes()
         header += len(data).to_bytes(8, "little") + data
-    digest = hashlib.sha256(header)
-    digest.update(blob)  # not header + blob: that would copy the blob
-    return digest.digest()
+    # chained, not over header + blob: that would copy the blob
+    return zlib.crc32(blob, zlib.crc32(header)).to_bytes(4, "little")
 
 
 class _Packing:
