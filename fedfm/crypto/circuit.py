@@ -99,6 +99,13 @@ class Circuit:
         self._steps: list[int] = []
         self._io: SealIO | None = None
 
+    @property
+    def io(self) -> SealIO:
+        """Raw access to this context's ciphertexts (made on first use)."""
+        if self._io is None:
+            self._io = SealIO(self.seal)
+        return self._io
+
     # -- levels ----------------------------------------------------------------------------------
     def headroom(self, ct: Ciphertext) -> int:
         """Rescales left before ``ct`` reaches the refresh level (chain index 1)."""
@@ -240,9 +247,7 @@ class Circuit:
         cts = self.align(list(cts))
         for ct in cts:
             self._require(ct)
-        if self._io is None:
-            self._io = SealIO(self.seal)
-        products = linear_map(self._io, self.seal, cts, weight)
+        products = linear_map(self.io, self.seal, cts, weight)
         self.stats.plain_products += weight.size
         out = []
         for product, offset in zip(products, np.asarray(bias, dtype=np.float64), strict=True):

@@ -65,7 +65,13 @@ from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.params import CKKS_16384, CkksParameters
 from fedfm.crypto.refresh import RefreshClient, RefreshServer
 from fedfm.crypto.seal_raw import SealIO, dumps, seal_bytes
-from fedfm.crypto.workers import configured_workers, discard_pool, refresh_blobs, shared_pool
+from fedfm.crypto.workers import (
+    configured_workers,
+    discard_pool,
+    keep_heap,
+    refresh_blobs,
+    shared_pool,
+)
 from fedfm.errors import CryptoParameterError, ProtocolError
 
 if TYPE_CHECKING:
@@ -625,6 +631,7 @@ class CkksBackend(CryptoBackend):
         self.params = params
         self.name = name  # the registered name, so logs and results say which parameter set ran
         self.workers = configured_workers(workers)
+        keep_heap()
 
     def create_key_owner(
         self, *, seed: int | None = None, geometry: ModelGeometry | None = None

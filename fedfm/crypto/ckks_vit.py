@@ -27,7 +27,7 @@ from torch import nn
 
 from fedfm.approx.evaluate import evaluate_inv_sqrt, evaluate_inverse, polyval
 from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax
-from fedfm.crypto.backend import Work
+from fedfm.crypto.backend import Work, lockstep
 from fedfm.crypto.benes import SwapLayer, benes_layers, drop_identity_layers, pad_permutation
 from fedfm.crypto.circuit import Ciphertext, Circuit, ProductSum, evaluate_traced, symbol
 from fedfm.crypto.packing import SlotLayout
@@ -240,9 +240,8 @@ def attention(
 ) -> Work[Tensor]:
     """``attn(norm(x))`` for the token layout with copies (the block's first half)."""
     softmax = attn.softmax
-    occupied, valid = layout.occupied(samples), layout.valid(samples)
     normed, centring = yield from layer_norm(
-        circuit, norm, x, occupied, ("occupied", samples), f"{place}/norm1"
+        circuit, norm, x, layout.occupied(samples), ("occupied", samples), f"{place}/norm1"
     )
     qkv = Linear.of(attn.qkv).after_norm(norm, centring)
     dim, heads, head_dim = len(x), attn.num_heads, attn.head_dim
@@ -253,33 +252,63 @@ def attention(
     v = linear(circuit, qkv.rows(2 * dim, 3 * dim), normed)
     tensors = yield from circuit.ensure([_flat(q), _flat(k), _flat(v)], 1, f"{place}/logits")
     q, k, v = (_shape(t, dim) for t in tensors)
-    count, tokens = len(x[0]), layout.tokens
+    # The heads are independent until the projection; their refreshes travel together.
+    heads_out = yield from lockstep(
+        [
+            _attention_head(
+                circuit,
+                softmax,
+                layout,
+                *(t[h * head_dim : (h + 1) * head_dim] for t in (q, k, v)),
+                samples,
+                place,
+            )
+            for h in range(heads)
+        ]
+    )
+    out = [feature for head in heads_out for feature in head]
+    (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
+    # 1/bound of the softmax is folded into the projection.
+    return linear(
+        circuit, Linear.of(attn.proj).on_scaled_input(1.0 / _bound(softmax)), _shape(flat, dim)
+    )
+
+
+def _attention_head(
+    circuit: Circuit,
+    softmax: ApproxSoftmax,
+    layout: SlotLayout,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    samples: int,
+    place: str,
+) -> Work[Tensor]:
+    """One head: ``softmax(q k^T) v`` times the softmax's bound (``q`` carries the attention
+    scale; the projection divides the bound out again)."""
+    valid = layout.valid(samples)
+    count, tokens = len(q[0]), layout.tokens
     shifts = _token_shifts(layout)
     giants = sorted({giant for _, giant in shifts})
-    # logits[(h * count + c) * tokens + d]: head h, ciphertext c, key token t + d. With
-    # d = a + g: sum_j q_j rot_d(k_j) = rot_g(sum_j rot_-g(q_j) rot_a(k_j)), so a feature needs
-    # only its baby shifts of k and giant shifts of q; each sum is rotated once at the end. The
-    # shifts of one feature at a time are made and dropped (memory O(tokens), not O(D tokens)).
+    # logits[c * tokens + d]: ciphertext c, key token t + d. With d = a + g:
+    # sum_j q_j rot_d(k_j) = rot_g(sum_j rot_-g(q_j) rot_a(k_j)), so a feature needs only its
+    # baby shifts of k and giant shifts of q; each sum is rotated once at the end. The shifts of
+    # one feature at a time are made and dropped (memory O(tokens), not O(D tokens)).
     logits: list[Ciphertext] = []
-    for h in range(heads):
-        features = range(h * head_dim, (h + 1) * head_dim)
-        for c in range(count):
-            sums = [ProductSum(circuit) for _ in range(tokens)]
-            for j in features:
-                keys = _baby_shifts(circuit, k[j][c], layout)
-                queries = {giant: circuit.rotate(q[j][c], -giant) for giant in giants}
-                for (a, giant), total in zip(shifts, sums, strict=True):
-                    total.add(queries[giant], keys[a])
-            logits += [
-                circuit.rotate(total.result(), giant)
-                for (_, giant), total in zip(shifts, sums, strict=True)
-            ]
+    for c in range(count):
+        sums = [ProductSum(circuit) for _ in range(tokens)]
+        for j in range(len(q)):
+            keys = _baby_shifts(circuit, k[j][c], layout)
+            queries = {giant: circuit.rotate(q[j][c], -giant) for giant in giants}
+            for (a, giant), total in zip(shifts, sums, strict=True):
+                total.add(queries[giant], keys[a])
+        logits += [
+            circuit.rotate(total.result(), giant)
+            for (_, giant), total in zip(shifts, sums, strict=True)
+        ]
     (logits,) = yield from circuit.ensure([logits], 1, f"{place}/mask")
-    per_head = count * tokens
     logits = [
-        circuit.masked_sum(
-            [(ct, ("valid", samples, i // tokens % count), valid[i // tokens % count])]
-        )
+        circuit.masked_sum([(ct, ("valid", samples, i // tokens), valid[i // tokens])])
         for i, ct in enumerate(logits)
     ]
     a = symbol()
@@ -288,55 +317,47 @@ def attention(
     )
     bound = _bound(softmax)
     scaled = []
-    for h in range(heads):
-        for c in range(count):
-            start = h * per_head + c * tokens
-            total = numerators[start]
-            for ct in numerators[start + 1 : start + tokens]:
-                total = circuit.add(total, ct)
-            scaled.append(total)
+    for c in range(count):
+        total = numerators[c * tokens]
+        for ct in numerators[c * tokens + 1 : (c + 1) * tokens]:
+            total = circuit.add(total, ct)
+        scaled.append(total)
     (scaled,) = yield from circuit.ensure([scaled], 1, f"{place}/normaliser")
     scaled = [
         circuit.add_vector(
-            circuit.masked_sum(
-                [(ct, ("inv", samples, i % count, bound), valid[i % count] / bound)]
-            ),
-            ("one", samples, i % count),
-            1.0 - valid[i % count],
+            circuit.masked_sum([(ct, ("inv", samples, c, bound), valid[c] / bound)]),
+            ("one", samples, c),
+            1.0 - valid[c],
         )
-        for i, ct in enumerate(scaled)
+        for c, ct in enumerate(scaled)
     ]
     s = symbol()
     inverse = yield from evaluate_traced(
         circuit, evaluate_inverse(softmax.inverse_spec, s), {s: scaled}, f"{place}/inverse"
     )
-    tensors = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
-    numerators, inverse = tensors
-    # i // tokens = h * count + c: each head's normaliser weights its numerators
+    numerators, inverse = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
+    # i // tokens = c: each ciphertext's normaliser weights its numerators
     weights = [circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)]
-    tensors = yield from circuit.ensure([weights, _flat(v)], 1, f"{place}/values")
-    weights, v = tensors[0], _shape(tensors[1], dim)
+    weights, flat = yield from circuit.ensure([weights, _flat(v)], 1, f"{place}/values")
+    v = _shape(flat, len(v))
     # sum_d w_d rot_d(v_j) = sum_g rot_g(sum_a rot_-g(w_(a+g)) rot_a(v_j)): baby shifts of each
-    # feature, giant shifts of each head's weights, one rotation per feature and giant step.
+    # feature, giant shifts of the weights, one rotation per feature and giant step.
     weights = [circuit.rotate(ct, -shifts[i % tokens][1]) for i, ct in enumerate(weights)]
     out: Tensor = []
-    for j in range(dim):
-        h = j // head_dim
+    for feature in v:
         row = []
         for c in range(count):
-            values = _baby_shifts(circuit, v[j][c], layout)
+            values = _baby_shifts(circuit, feature[c], layout)
             parts = {giant: ProductSum(circuit) for giant in giants}
             for d, (a, giant) in enumerate(shifts):
-                parts[giant].add(weights[(h * count + c) * tokens + d], values[a])
+                parts[giant].add(weights[c * tokens + d], values[a])
             total = None
             for giant, part in parts.items():
                 rotated = circuit.rotate(part.result(), giant)
                 total = rotated if total is None else circuit.add(total, rotated)
             row.append(total)
         out.append(row)
-    (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
-    # 1/bound of the softmax is folded into the projection.
-    return linear(circuit, Linear.of(attn.proj).on_scaled_input(1.0 / bound), _shape(flat, dim))
+    return out
 
 
 def mlp(
