@@ -203,11 +203,16 @@ def run_ckks_benchmark(
     batch_sizes: Sequence[int] = (16, 64, 256),
     block: int = 0,
     forward_batch: int = 0,
+    repeats: int = 1,
     results_dir: Path = Path("results"),
     log: Callable[[str], None] = print,
     command: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Measure one block per batch size; write ``results/ckks_block[_<backend>].{json,md}``."""
+    """Measure one block per batch size; write ``results/ckks_block[_<backend>].{json,md}``.
+
+    With ``repeats`` above one each batch size is measured that many times (fresh keys each
+    time) and the run with the median time per block is reported, with every run's time.
+    """
     backend = get_backend(backend_name)
     if not isinstance(backend, CkksBackend):
         raise ConfigError(f"bench-ckks measures a CKKS backend, not {backend_name!r}")
@@ -219,16 +224,24 @@ def run_ckks_benchmark(
         raise ConfigError(f"block must be in 0..{model.num_blocks - 1}, got {block}")
     if not batch_sizes or min(batch_sizes) < 1 or forward_batch < 0:
         raise ConfigError(f"batch sizes must be >= 1, got {list(batch_sizes)} and {forward_batch}")
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
     splits, _ = load_data(run)
     if max(batch_sizes, default=0) > len(splits.test) or forward_batch > len(splits.test):
         raise ConfigError(
             f"batch sizes up to {len(splits.test)} (the test split), got {batch_sizes}"
         )
     torch.set_num_threads(1)  # the plaintext reference on one core, like SEAL here
-    rows = [
-        measure_block(model, backend, splits.test.images[:n], block=block, log=log)
-        for n in batch_sizes
-    ]
+    rows = []
+    for n in batch_sizes:
+        runs = [
+            measure_block(model, backend, splits.test.images[:n], block=block, log=log)
+            for _ in range(repeats)
+        ]
+        runs.sort(key=lambda run: run["seconds_per_block"])
+        median = runs[(len(runs) - 1) // 2]
+        median["seconds_per_block_runs"] = [run["seconds_per_block"] for run in runs]
+        rows.append(median)
     forward = (
         measure_forward(model, backend, splits.test.images[:forward_batch], log=log)
         if forward_batch
@@ -250,7 +263,14 @@ def run_ckks_benchmark(
             f"masked refreshes. {_cores_description(backend)}; refreshes answered on this "
             "machine by the data owner (no network: add round trips x RTT). `simulate` is the "
             "plaintext "
-            "polynomial block (torch, one thread) the simulate backend runs. A forward pass "
+            "polynomial block (torch, one thread) the simulate backend runs. "
+            + (
+                f"Each row is the median of {repeats} runs (all runs' seconds per block in the "
+                "JSON). "
+                if repeats > 1
+                else ""
+            )
+            + "A forward pass "
             f"is {model.num_blocks} such blocks"
             + (
                 f"; measured on {forward['samples']} images: {forward['predictions_agree']} "
@@ -301,6 +321,7 @@ def run_ckks_benchmark(
             },
             "cores_used": _cores_used(backend),
             "worker_processes": backend.workers if backend.workers >= 2 else 0,
+            "repeats": repeats,
             "forward_pass": forward,
         },
         command=command,

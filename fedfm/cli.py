@@ -372,6 +372,7 @@ def _bench_ckks(args: argparse.Namespace) -> None:
         batch_sizes=args.batch_sizes,
         block=args.block - 1,
         forward_batch=args.forward_batch,
+        repeats=args.repeats,
         results_dir=args.results_dir,
         command=args.command_line,
     )
@@ -598,6 +599,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="also run every block on this many images and compare predictions (0: skip)",
+    )
+    bench_ckks.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure each batch size this many times and report the median run",
     )
     bench_ckks.add_argument("--results-dir", type=Path, default=Path("results"))
     bench_ckks.set_defaults(handler=_bench_ckks)

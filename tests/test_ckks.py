@@ -103,20 +103,31 @@ def test_backend_is_registered_and_parameters_are_checked() -> None:
 
 def test_layout_packs_tokens_with_copies_and_unpacks() -> None:
     layout = SlotLayout.for_tokens(4096, 5)
-    assert (layout.group, layout.capacity) == (9, 256)
-    values = _values(300, 5, 3)
+    assert (layout.group, layout.capacity, layout.copies, layout.wraps) == (8, 512, 3, True)
+    values = _values(600, 5, 3)
     slots = layout.pack(values)
     assert slots.shape == (3, 2, 4096)
-    np.testing.assert_array_equal(layout.unpack(slots, 300), values)
-    # sample 1's group starts at slot 9: tokens 0..4 then copies of tokens 0..3
-    np.testing.assert_array_equal(slots[0, 0, 9:18], np.r_[values[1, :, 0], values[1, :4, 0]])
+    np.testing.assert_array_equal(layout.unpack(slots, 600), values)
+    # sample 1's group starts at slot 8: tokens 0..4 then copies of tokens 0..2
+    np.testing.assert_array_equal(slots[0, 0, 8:16], np.r_[values[1, :, 0], values[1, :3, 0]])
+    # every token shift d < 5 stays in the group except token 4 shifted by 4 (taken as -1)
+    np.testing.assert_array_equal(layout.last_token(600)[0, :16], np.eye(16)[4] + np.eye(16)[12])
     # token shifts 0..4 = baby step (0..2) + giant step (0 or 3)
     assert (layout.baby_steps, layout.giant_steps()) == (3, [3])
     assert layout.rotation_steps() == sorted(
-        {1, 3, -3, -5} | {s * 9 * 2**j for j in range(8) for s in (1, -1)}
+        {1, 3, -3, -5, -1} | {s * 8 * 2**j for j in range(9) for s in (1, -1)}
     )
+    # 17 tokens: 32 slots, 128 samples per ciphertext at N = 8192 (64 with 33-slot groups)
+    assert (SlotLayout.for_tokens(4096, 17).group, SlotLayout.for_tokens(4096, 17).capacity) == (
+        32,
+        128,
+    )
+    two = SlotLayout.for_tokens(4096, 2)  # too few tokens to drop a copy
+    assert (two.group, two.copies, two.wraps) == (3, 1, False)
     with pytest.raises(ProtocolError, match="5-token groups"):
         layout.pack(_values(2, 4, 3))
+    with pytest.raises(ConfigError, match="at least 8 slots"):
+        SlotLayout(4096, 5, 7, True)
 
 
 def test_round_trip_and_public_context(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
@@ -297,6 +308,7 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
         backend_name="ckks-8192",
         batch_sizes=(2, 4),
         forward_batch=3,
+        repeats=3,
         results_dir=tmp_path / "results",
         log=lambda _: None,
         command="fedfm bench-ckks --test",
@@ -304,8 +316,10 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
     report = json.loads((tmp_path / "results" / "ckks_block_ckks-8192.json").read_text())
     assert [row["batch_size"] for row in rows] == [2, 4]
     assert report["seconds_per_sample_per_block"] == rows[-1]["seconds_per_sample_per_block"]
-    assert report["command"] == "fedfm bench-ckks --test"
+    assert report["command"] == "fedfm bench-ckks --test" and report["repeats"] == 3
     for row in rows:
+        runs = row["seconds_per_block_runs"]  # every run, sorted; the row is the median one
+        assert len(runs) == 3 and runs == sorted(runs) and row["seconds_per_block"] == runs[1]
         assert row["refreshes"] > 0 and row["round_trips"] == row["refreshes"] + 1
         assert row["error_over_range"] < 1e-3 and row["bytes_per_sample_per_block"] > 0
         assert row["seconds_per_block_deployment"] > row["seconds_per_block_simulation"]
@@ -316,5 +330,7 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
     assert forward["predictions_agree"] == forward["samples"] == 3
     with pytest.raises(ConfigError, match="not 'simulate'"):
         run_ckks_benchmark(run, backend_name="simulate", results_dir=tmp_path)
+    with pytest.raises(ConfigError, match="repeats must be >= 1"):
+        run_ckks_benchmark(run, backend_name="ckks-8192", repeats=0, results_dir=tmp_path)
     with pytest.raises(ConfigError, match="batch sizes must be >= 1"):
         run_ckks_benchmark(run, backend_name="ckks-8192", batch_sizes=(0,))

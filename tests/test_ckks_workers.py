@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -105,3 +106,15 @@ def test_scratch_folders_survive_a_forked_child_that_drops_them() -> None:
     assert child.exitcode == 0 and folder.is_dir()
     io.close()
     assert not folder.exists()
+
+
+def test_the_allocator_keeps_freed_heap_unless_told_not_to(monkeypatch) -> None:
+    workers.keep_heap.cache_clear()
+    monkeypatch.setenv(workers.KEEP_HEAP_VARIABLE, "0")
+    assert workers.keep_heap() is False
+    workers.keep_heap.cache_clear()
+    monkeypatch.delenv(workers.KEEP_HEAP_VARIABLE)
+    tuned = workers.keep_heap()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert tuned is True  # glibc accepted every setting
+    assert workers.keep_heap() is tuned  # once per process

@@ -290,27 +290,48 @@ def _attention_head(
     count, tokens = len(q[0]), layout.tokens
     shifts = _token_shifts(layout)
     giants = sorted({giant for _, giant in shifts})
+    # With groups of 2T - 2 slots (SlotLayout.wraps) the last token's shift by T - 1 lands in the
+    # next group: that one logit comes from the shift by -1, selected by the valid-token mask the
+    # logits get anyway (no extra level), and its value vector from the same two shifts of v.
+    last = layout.last_token(samples) if layout.wraps else None
     # logits[c * tokens + d]: ciphertext c, key token t + d. With d = a + g:
     # sum_j q_j rot_d(k_j) = rot_g(sum_j rot_-g(q_j) rot_a(k_j)), so a feature needs only its
     # baby shifts of k and giant shifts of q; each sum is rotated once at the end. The shifts of
     # one feature at a time are made and dropped (memory O(tokens), not O(D tokens)).
     logits: list[Ciphertext] = []
+    backwards: list[Ciphertext] = []  # per ciphertext: sum_j q_j rot_-1(k_j)
     for c in range(count):
         sums = [ProductSum(circuit) for _ in range(tokens)]
+        backward = ProductSum(circuit)
         for j in range(len(q)):
             keys = _baby_shifts(circuit, k[j][c], layout)
             queries = {giant: circuit.rotate(q[j][c], -giant) for giant in giants}
             for (a, giant), total in zip(shifts, sums, strict=True):
                 total.add(queries[giant], keys[a])
+            if last is not None:
+                backward.add(q[j][c], circuit.rotate(k[j][c], -1))
         logits += [
             circuit.rotate(total.result(), giant)
             for (_, giant), total in zip(shifts, sums, strict=True)
         ]
-    (logits,) = yield from circuit.ensure([logits], 1, f"{place}/mask")
-    logits = [
-        circuit.masked_sum([(ct, ("valid", samples, i // tokens), valid[i // tokens])])
-        for i, ct in enumerate(logits)
-    ]
+        if last is not None:
+            backwards.append(backward.result())
+    (logits, backwards) = yield from circuit.ensure([logits, backwards], 1, f"{place}/mask")
+    masked = []
+    for i, ct in enumerate(logits):
+        c, d = divmod(i, tokens)
+        if last is None or d < tokens - 1:
+            masked.append(circuit.masked_sum([(ct, ("valid", samples, c), valid[c])]))
+            continue
+        masked.append(
+            circuit.masked_sum(
+                [
+                    (ct, ("valid but last", samples, c), valid[c] - last[c]),
+                    (backwards[c], ("last", samples, c), last[c]),
+                ]
+            )
+        )
+    logits = masked
     a = symbol()
     numerators = yield from evaluate_traced(
         circuit, polyval(softmax.exp_spec, a), {a: logits}, f"{place}/exp"
@@ -338,19 +359,48 @@ def _attention_head(
     numerators, inverse = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
     # i // tokens = c: each ciphertext's normaliser weights its numerators
     weights = [circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)]
-    weights, flat = yield from circuit.ensure([weights, _flat(v)], 1, f"{place}/values")
+    # v shifted by T - 1, with the last token's value from the shift by -1 (wrapping layouts);
+    # made while v still has the level the logits' refresh gave it
+    wrapped: Tensor = []
+    if last is not None:
+        rest = layout.occupied(samples) - last
+        wrapped = [
+            [
+                circuit.masked_sum(
+                    [
+                        (
+                            circuit.rotate(ct, tokens - 1),
+                            ("occupied but last", samples, c),
+                            rest[c],
+                        ),
+                        (circuit.rotate(ct, -1), ("last", samples, c), last[c]),
+                    ]
+                )
+                for c, ct in enumerate(feature)
+            ]
+            for feature in v
+        ]
+    weights, flat, wrapped_flat = yield from circuit.ensure(
+        [weights, _flat(v), _flat(wrapped)], 1, f"{place}/values"
+    )
     v = _shape(flat, len(v))
+    wrapped = _shape(wrapped_flat, len(v)) if wrapped_flat else []
     # sum_d w_d rot_d(v_j) = sum_g rot_g(sum_a rot_-g(w_(a+g)) rot_a(v_j)): baby shifts of each
-    # feature, giant shifts of the weights, one rotation per feature and giant step.
-    weights = [circuit.rotate(ct, -shifts[i % tokens][1]) for i, ct in enumerate(weights)]
+    # feature, giant shifts of the weights, one rotation per feature and giant step. A wrapping
+    # layout's shift T - 1 uses the prepared shifted v, with the weights unrotated (a is None).
+    value_shifts: list[tuple[int | None, int]] = list(shifts)
+    if wrapped:
+        value_shifts[-1] = (None, 0)
+    weights = [circuit.rotate(ct, -value_shifts[i % tokens][1]) for i, ct in enumerate(weights)]
     out: Tensor = []
-    for feature in v:
+    for j, feature in enumerate(v):
         row = []
         for c in range(count):
             values = _baby_shifts(circuit, feature[c], layout)
-            parts = {giant: ProductSum(circuit) for giant in giants}
-            for d, (a, giant) in enumerate(shifts):
-                parts[giant].add(weights[c * tokens + d], values[a])
+            parts = {giant: ProductSum(circuit) for giant in sorted({g for _, g in value_shifts})}
+            for d, (a, giant) in enumerate(value_shifts):
+                source = wrapped[j][c] if a is None else values[a]
+                parts[giant].add(weights[c * tokens + d], source)
             total = None
             for giant, part in parts.items():
                 rotated = circuit.rotate(part.result(), giant)

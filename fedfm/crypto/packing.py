@@ -3,15 +3,19 @@
 A ciphertext has ``S = N/2`` slots. Sample ``s`` of a batch lives in ciphertext ``s // capacity``,
 *group* ``s % capacity``; a group is ``group`` consecutive slots starting at
 ``(s % capacity) * group``. Inside a group, slot ``t`` holds token ``t`` (``t < tokens``) and,
-when ``duplicate`` is set, slot ``tokens + t`` holds token ``t`` again for ``t < tokens - 1``::
+when ``duplicate`` is set, slot ``tokens + t`` holds token ``t`` again for ``t < copies``::
 
-    group = 2T - 1:  | t0 t1 ... t(T-1) | t0 t1 ... t(T-2) |
+    group = 2T - 2:  | t0 t1 ... t(T-1) | t0 t1 ... t(T-3) |
 
 With that copy, rotating a whole ciphertext left by ``d < T`` brings token ``(t + d) mod T`` of the
-*same* sample to slot ``t``: attention needs no masks for its token shifts. Every feature (model
-width ``D``) is its own ciphertext, so linear layers are sums of scalar x ciphertext products and
-need no rotation; only attention (token shifts), permutations of samples (shifts by multiples of
-``group``) and the loss's sum over samples rotate.
+*same* sample to slot ``t`` for every pair but one: the last token shifted by ``T - 1`` lands in
+the next group (a copy of token ``T - 2`` would need a ``2T - 1``-th slot). Attention takes that
+one value from the shift by ``-1`` instead, inside plaintext masks it applies anyway
+(:attr:`wraps`); in exchange the group of 17 tokens is 32 slots, not 33, and twice as many
+samples fit (the capacity is a power of two). Every feature (model width ``D``) is its own
+ciphertext, so linear layers are sums of scalar x ciphertext products and need no rotation; only
+attention (token shifts), permutations of samples (shifts by multiples of ``group``) and the
+loss's sum over samples rotate.
 
 ``capacity`` is the largest power of two of groups that fits, so that a Benes network over the
 samples moves groups by power-of-two distances (one rotation key per distance and direction).
@@ -42,16 +46,31 @@ class SlotLayout:
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.group < self.tokens:
             raise ConfigError(f"a group of {self.group} slots cannot hold {self.tokens} tokens")
-        if self.duplicate and self.group < 2 * self.tokens - 1:
-            raise ConfigError(f"duplicated tokens need a group of {2 * self.tokens - 1} slots")
+        if self.duplicate and self.group < 2 * self.tokens - 2:
+            raise ConfigError(
+                f"duplicated tokens need a group of at least {2 * self.tokens - 2} slots"
+            )
         if self.group > self.slots:
             raise ConfigError(f"a group of {self.group} slots exceeds the {self.slots} slots")
 
     @classmethod
     def for_tokens(cls, slots: int, tokens: int) -> SlotLayout:
-        """The layout of hidden states (and images as patches) with ``tokens`` tokens."""
-        duplicate = tokens > 1
-        return cls(slots, tokens, 2 * tokens - 1 if duplicate else 1, duplicate)
+        """The layout of hidden states (and images as patches) with ``tokens`` tokens: groups of
+        ``2T - 2`` slots (``2T - 1`` for two tokens, which would have no copy otherwise)."""
+        if tokens == 1:
+            return cls(slots, 1, 1, False)
+        return cls(slots, tokens, 2 * tokens - (1 if tokens == 2 else 2), True)
+
+    @property
+    def copies(self) -> int:
+        """Tokens ``0 .. copies - 1`` are repeated after the real ones."""
+        return min(self.group - self.tokens, self.tokens - 1) if self.duplicate else 0
+
+    @property
+    def wraps(self) -> bool:
+        """Whether the last token's shift by ``tokens - 1`` leaves its group (no copy of token
+        ``tokens - 2``): that value is taken from the shift by ``-1``."""
+        return self.duplicate and self.copies < self.tokens - 1
 
     def rows(self) -> SlotLayout:
         """The layout of ``(n, C)`` rows that shares this layout's groups (one token each)."""
@@ -81,7 +100,8 @@ class SlotLayout:
         """Rotation steps (positive: left) that evaluation uses: keys are made for these only.
 
         Token shifts by one and by plus or minus each giant step (:attr:`baby_steps`), the right
-        shift by ``tokens`` that rebuilds the token copy, and left and right shifts by
+        shift by ``tokens`` that rebuilds the token copy, by ``-1`` if the layout :attr:`wraps`,
+        and left and right shifts by
         ``group * 2**j`` (``2**j < capacity``) for permutations of samples and sums over samples.
         """
         steps: set[int] = set()
@@ -91,6 +111,8 @@ class SlotLayout:
             steps.update((giant, -giant))
         if self.duplicate:
             steps.add(-self.tokens)
+        if self.wraps:
+            steps.add(-1)
         distance = 1
         while distance < self.capacity:
             steps.update((distance * self.group, -distance * self.group))
@@ -110,7 +132,8 @@ class SlotLayout:
         per_feature = np.transpose(values, (2, 0, 1))  # (F, n, T)
         out[:, :samples, : self.tokens] = per_feature
         if self.duplicate:
-            out[:, :samples, self.tokens :] = per_feature[:, :, : self.tokens - 1]
+            end = self.tokens + self.copies
+            out[:, :samples, self.tokens : end] = per_feature[:, :, : self.copies]
         out = out.reshape(features, count, self.capacity * self.group)
         padded = np.zeros((features, count, self.slots), dtype=np.float64)
         padded[:, :, : self.capacity * self.group] = out
@@ -155,6 +178,12 @@ class SlotLayout:
         return self.group_mask(np.arange(count * self.capacity) < samples, self.tokens)
 
     def copied(self, samples: int) -> np.ndarray:
-        """1 on the tokens ``0 .. tokens - 2`` whose copy sits ``tokens`` slots further."""
+        """1 on the tokens ``0 .. copies - 1`` whose copy sits ``tokens`` slots further."""
         count = self.ciphertexts_for(samples)
-        return self.group_mask(np.arange(count * self.capacity) < samples, self.tokens - 1)
+        return self.group_mask(np.arange(count * self.capacity) < samples, self.copies)
+
+    def last_token(self, samples: int) -> np.ndarray:
+        """1 on the slot of the last token (``tokens - 1``) of each of the ``samples`` samples."""
+        count = self.ciphertexts_for(samples)
+        present = np.arange(count * self.capacity) < samples
+        return self.valid(samples) - self.group_mask(present, self.tokens - 1)
