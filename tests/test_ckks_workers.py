@@ -9,12 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
 
+from fedfm.approx import calibrate
+from fedfm.approx.specs import ApproxConfig
 from fedfm.crypto import CKKS_8192_REFRESH, ModelGeometry, run_locally, workers
 from fedfm.crypto.ckks import CkksBackend
 from fedfm.crypto.seal_raw import SealIO
 from fedfm.crypto.workers import WORKERS_VARIABLE, configured_workers, discard_pool
 from fedfm.errors import ConfigError
+from fedfm.models.fhe_vit import to_fhe_friendly
 
 GEOMETRY = ModelGeometry(tokens=5, patch_size=4)
 
@@ -118,3 +123,35 @@ def test_the_allocator_keeps_freed_heap_unless_told_not_to(monkeypatch) -> None:
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert tuned is True  # glibc accepted every setting
     assert workers.keep_heap() is tuned  # once per process
+
+
+def test_attention_heads_in_workers_match_in_process_evaluation() -> None:
+    """Circuit.spread sends all heads but the first to the workers: same values, same counts."""
+    torch.manual_seed(3)
+    vit = VisionTransformer(
+        img_size=8, patch_size=4, embed_dim=12, depth=1, num_heads=3, mlp_ratio=2.0, num_classes=3
+    )
+    with torch.no_grad():
+        vit.cls_token.normal_(0.0, 1.0)
+        vit.pos_embed.normal_(0.0, 0.5)
+    model = to_fhe_friendly(vit, ApproxConfig()).eval()
+    calibrate(model, [torch.rand(16, 3, 8, 8)])
+    with torch.no_grad():
+        hidden = model.embed(torch.rand(5, 3, 8, 8))
+        expected = model.block(0, hidden).numpy()
+    owner = CkksBackend(CKKS_8192_REFRESH, workers=2).create_key_owner(geometry=GEOMETRY)
+    outputs, counts = [], []
+    for count in (2, 0):
+        evaluator = CkksBackend(CKKS_8192_REFRESH, workers=count).create_evaluator(
+            owner.public_context(), GEOMETRY
+        )
+        assert (evaluator.circuit.pool is not None) == (count == 2)
+        batch = evaluator.load(owner.encrypt(hidden.numpy()).to_payload())
+        out = run_locally(evaluator.evaluate_block(model, 0, batch), evaluator, owner)
+        outputs.append(owner.decrypt(out))
+        stats = evaluator.circuit.stats
+        counts.append((stats.rotations, stats.products, stats.plain_products, stats.refreshes))
+    span = float(np.abs(expected).max())
+    for got in outputs:
+        assert np.abs(got - expected).max() <= 1e-4 * span
+    assert counts[0] == counts[1] and counts[0][0] > 0

@@ -25,11 +25,13 @@ iteration.
 from __future__ import annotations
 
 import functools
+import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tenseal as ts
@@ -38,9 +40,12 @@ import tenseal.sealapi as sealapi
 from fedfm.crypto.backend import Work
 from fedfm.crypto.rns_linear import linear_map
 from fedfm.crypto.seal_raw import SealIO
+from fedfm.crypto.workers import WorkerPool, decode_nested, encode_nested, run_segment
 from fedfm.errors import CryptoParameterError, ProtocolError
 
 Ciphertext = Any  # sealapi.Ciphertext (TenSEAL registers it under its own module)
+R = TypeVar("R")
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +68,23 @@ class CircuitStats:
             yield
         finally:
             self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - started
+
+    def operations(self) -> dict[str, Any]:
+        """Operation counts and seconds (what a worker's segment reports back to :meth:`merge`)."""
+        return {
+            "rotations": self.rotations,
+            "products": self.products,
+            "plain_products": self.plain_products,
+            "seconds": dict(self.seconds),
+        }
+
+    def merge(self, operations: dict[str, Any]) -> None:
+        """Add the operations of a segment evaluated elsewhere."""
+        self.rotations += operations["rotations"]
+        self.products += operations["products"]
+        self.plain_products += operations["plain_products"]
+        for what, spent in operations["seconds"].items():
+            self.seconds[what] = self.seconds.get(what, 0.0) + spent
 
 
 def _timed(category: str) -> Any:
@@ -98,6 +120,9 @@ class Circuit:
         self._vectors: dict[tuple[Any, ...], Any] = {}
         self._steps: list[int] = []
         self._io: SealIO | None = None
+        # Set by the evaluator to spread segments over worker processes (spread).
+        self.pool: WorkerPool | None = None
+        self.context_path: str | None = None
 
     @property
     def io(self) -> SealIO:
@@ -105,6 +130,47 @@ class Circuit:
         if self._io is None:
             self._io = SealIO(self.seal)
         return self._io
+
+    def spread(
+        self, function: Callable[..., R], inputs: Sequence[Sequence[Any]], **options: Any
+    ) -> list[R]:
+        """``[function(self, *args, **options) for args in inputs]`` for independent segments
+        that need no refresh: the first here, the others in the worker pool if there is one
+        (:func:`fedfm.crypto.workers.run_segment`), with the same results.
+
+        ``function`` must be a module-level function (workers import it by name) returning
+        nested lists of ciphertexts; ``options`` must be picklable.
+        """
+        if self.pool is None or self.context_path is None or len(inputs) < 2:
+            return [function(self, *args, **options) for args in inputs]
+        hold = getattr(self.refresher, "hold_material", None)
+        if hold is not None:
+            hold()  # segments must not queue behind mask material
+        futures = [
+            self.pool.submit(
+                run_segment,
+                self.context_path,
+                self._steps,
+                function,
+                [encode_nested(item) for item in args],
+                options,
+            )
+            for args in inputs[1:]
+        ]
+        out = [function(self, *inputs[0], **options)]
+        for args, future in zip(inputs[1:], futures, strict=True):
+            try:
+                result, operations = future.result()
+            except BrokenProcessPool as error:
+                _LOG.warning("segment worker failed (%s); evaluating in-process", error)
+                out.append(function(self, *args, **options))
+                continue
+            self.stats.merge(operations)
+            out.append(decode_nested(self.io, result))
+        resume = getattr(self.refresher, "resume_material", None)
+        if resume is not None:
+            resume()
+        return out
 
     # -- levels ----------------------------------------------------------------------------------
     def headroom(self, ct: Ciphertext) -> int:

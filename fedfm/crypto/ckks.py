@@ -37,9 +37,13 @@ transport's job (TLS on the Deployment Engine).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
+import os
+import tempfile
+import weakref
 import zlib
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -64,7 +68,7 @@ from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.params import CKKS_16384, CkksParameters
 from fedfm.crypto.refresh import RefreshClient, RefreshServer
-from fedfm.crypto.seal_raw import SealIO, dumps, seal_bytes
+from fedfm.crypto.seal_raw import SealIO, dumps, scratch_root, seal_bytes
 from fedfm.crypto.workers import (
     configured_workers,
     discard_pool,
@@ -483,6 +487,13 @@ def _load(
     return CkksBatch(tensor, dims, layout, fingerprint, copies=bool(copies))
 
 
+def _remove_quietly(path: str, owner_pid: int) -> None:
+    # not from a forked worker that collects its inherited copy of the evaluator
+    if os.getpid() == owner_pid:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 class CkksEvaluator(Evaluator):
     """The server's half: a :class:`Circuit` on the public context and the refresh masks."""
 
@@ -505,6 +516,15 @@ class CkksEvaluator(Evaluator):
         self.fingerprint = context_fingerprint(context)
         refresher = RefreshServer(context, workers=workers)
         self.circuit = Circuit(context, refresher)
+        pool = shared_pool(workers)
+        if pool is not None:
+            # Workers evaluate independent segments (Circuit.spread) from this public context,
+            # read once per worker from a file: too large to send with every job.
+            handle, path = tempfile.mkstemp(prefix="fedfm-public-", dir=scratch_root())
+            with os.fdopen(handle, "wb") as file:
+                file.write(public_context)
+            weakref.finalize(self, _remove_quietly, path, os.getpid())
+            self.circuit.pool, self.circuit.context_path = pool, path
         self._packing = _Packing(self.circuit.slots, geometry)
         self.layout = self._packing.hidden
         self.circuit.declare_steps(self.layout.rotation_steps())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -252,20 +253,18 @@ def attention(
     v = linear(circuit, qkv.rows(2 * dim, 3 * dim), normed)
     tensors = yield from circuit.ensure([_flat(q), _flat(k), _flat(v)], 1, f"{place}/logits")
     q, k, v = (_shape(t, dim) for t in tensors)
-    # The heads are independent until the projection; their refreshes travel together.
-    heads_out = yield from lockstep(
+    # The heads are independent until the projection: their refresh-free parts (logits, the
+    # weighted sum of values) are spread over the worker processes, their refreshes travel
+    # together.
+    per_head = [[t[h * head_dim : (h + 1) * head_dim] for t in (q, k, v)] for h in range(heads)]
+    scores = circuit.spread(_head_logits, [(q_h, k_h) for q_h, k_h, _ in per_head], layout=layout)
+    weighted = yield from lockstep(
         [
-            _attention_head(
-                circuit,
-                softmax,
-                layout,
-                *(t[h * head_dim : (h + 1) * head_dim] for t in (q, k, v)),
-                samples,
-                place,
-            )
-            for h in range(heads)
+            _head_weights(circuit, softmax, layout, logits, backwards, v_h, samples, place)
+            for (logits, backwards), (_, _, v_h) in zip(scores, per_head, strict=True)
         ]
     )
+    heads_out = circuit.spread(_head_values, weighted, layout=layout)
     out = [feature for head in heads_out for feature in head]
     (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
     # 1/bound of the softmax is folded into the projection.
@@ -274,32 +273,30 @@ def attention(
     )
 
 
-def _attention_head(
-    circuit: Circuit,
-    softmax: ApproxSoftmax,
-    layout: SlotLayout,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    samples: int,
-    place: str,
-) -> Work[Tensor]:
-    """One head: ``softmax(q k^T) v`` times the softmax's bound (``q`` carries the attention
-    scale; the projection divides the bound out again)."""
-    valid = layout.valid(samples)
+# One attention head in three parts: logits and the weighted sum of values need no refresh (and
+# can run in a worker process: Circuit.spread); the softmax between them does.
+#
+# With groups of 2T - 2 slots (SlotLayout.wraps) the last token's shift by T - 1 lands in the next
+# group: that one logit comes from the shift by -1, selected by the valid-token mask the logits
+# get anyway (no extra level), and its value vector from the same two shifts of v.
+
+
+def _head_logits(
+    circuit: Circuit, q: Tensor, k: Tensor, *, layout: SlotLayout
+) -> list[list[Ciphertext]]:
+    """``[logits, backwards]`` of one head: ``logits[c * tokens + d]`` pairs each token ``t`` of
+    ciphertext ``c`` with key token ``t + d``; ``backwards[c]`` with key token ``t - 1`` (only
+    for wrapping layouts, else empty).
+
+    With ``d = a + g``: ``sum_j q_j rot_d(k_j) = rot_g(sum_j rot_-g(q_j) rot_a(k_j))``, so a
+    feature needs only its baby shifts of k and giant shifts of q; each sum is rotated once at
+    the end. The shifts of one feature at a time are made and dropped (memory O(tokens)).
+    """
     count, tokens = len(q[0]), layout.tokens
     shifts = _token_shifts(layout)
     giants = sorted({giant for _, giant in shifts})
-    # With groups of 2T - 2 slots (SlotLayout.wraps) the last token's shift by T - 1 lands in the
-    # next group: that one logit comes from the shift by -1, selected by the valid-token mask the
-    # logits get anyway (no extra level), and its value vector from the same two shifts of v.
-    last = layout.last_token(samples) if layout.wraps else None
-    # logits[c * tokens + d]: ciphertext c, key token t + d. With d = a + g:
-    # sum_j q_j rot_d(k_j) = rot_g(sum_j rot_-g(q_j) rot_a(k_j)), so a feature needs only its
-    # baby shifts of k and giant shifts of q; each sum is rotated once at the end. The shifts of
-    # one feature at a time are made and dropped (memory O(tokens), not O(D tokens)).
     logits: list[Ciphertext] = []
-    backwards: list[Ciphertext] = []  # per ciphertext: sum_j q_j rot_-1(k_j)
+    backwards: list[Ciphertext] = []
     for c in range(count):
         sums = [ProductSum(circuit) for _ in range(tokens)]
         backward = ProductSum(circuit)
@@ -308,15 +305,34 @@ def _attention_head(
             queries = {giant: circuit.rotate(q[j][c], -giant) for giant in giants}
             for (a, giant), total in zip(shifts, sums, strict=True):
                 total.add(queries[giant], keys[a])
-            if last is not None:
+            if layout.wraps:
                 backward.add(q[j][c], circuit.rotate(k[j][c], -1))
         logits += [
             circuit.rotate(total.result(), giant)
             for (_, giant), total in zip(shifts, sums, strict=True)
         ]
-        if last is not None:
+        if layout.wraps:
             backwards.append(backward.result())
-    (logits, backwards) = yield from circuit.ensure([logits, backwards], 1, f"{place}/mask")
+    return [logits, backwards]
+
+
+def _head_weights(
+    circuit: Circuit,
+    softmax: ApproxSoftmax,
+    layout: SlotLayout,
+    logits: list[Ciphertext],
+    backwards: list[Ciphertext],
+    v: Tensor,
+    samples: int,
+    place: str,
+) -> Work[list[Any]]:
+    """The softmax of one head's logits (times its bound) and the head's values, ready for
+    :func:`_head_values`: ``[weights, v, wrapped]`` with ``wrapped`` the values shifted by
+    ``T - 1`` for wrapping layouts (else empty)."""
+    valid = layout.valid(samples)
+    count, tokens = len(v[0]), layout.tokens
+    last = layout.last_token(samples) if layout.wraps else None
+    logits, backwards = yield from circuit.ensure([logits, backwards], 1, f"{place}/mask")
     masked = []
     for i, ct in enumerate(logits):
         c, d = divmod(i, tokens)
@@ -331,10 +347,9 @@ def _attention_head(
                 ]
             )
         )
-    logits = masked
     a = symbol()
     numerators = yield from evaluate_traced(
-        circuit, polyval(softmax.exp_spec, a), {a: logits}, f"{place}/exp"
+        circuit, polyval(softmax.exp_spec, a), {a: masked}, f"{place}/exp"
     )
     bound = _bound(softmax)
     scaled = []
@@ -359,7 +374,6 @@ def _attention_head(
     numerators, inverse = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
     # i // tokens = c: each ciphertext's normaliser weights its numerators
     weights = [circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)]
-    # v shifted by T - 1, with the last token's value from the shift by -1 (wrapping layouts);
     # made while v still has the level the logits' refresh gave it
     wrapped: Tensor = []
     if last is not None:
@@ -383,21 +397,30 @@ def _attention_head(
     weights, flat, wrapped_flat = yield from circuit.ensure(
         [weights, _flat(v), _flat(wrapped)], 1, f"{place}/values"
     )
-    v = _shape(flat, len(v))
-    wrapped = _shape(wrapped_flat, len(v)) if wrapped_flat else []
-    # sum_d w_d rot_d(v_j) = sum_g rot_g(sum_a rot_-g(w_(a+g)) rot_a(v_j)): baby shifts of each
-    # feature, giant shifts of the weights, one rotation per feature and giant step. A wrapping
-    # layout's shift T - 1 uses the prepared shifted v, with the weights unrotated (a is None).
-    value_shifts: list[tuple[int | None, int]] = list(shifts)
+    return [weights, _shape(flat, len(v)), _shape(wrapped_flat, len(v)) if wrapped_flat else []]
+
+
+def _head_values(
+    circuit: Circuit, weights: list[Ciphertext], v: Tensor, wrapped: Tensor, *, layout: SlotLayout
+) -> Tensor:
+    """``sum_d w_d rot_d(v_j)`` for each feature ``j`` of one head.
+
+    ``= sum_g rot_g(sum_a rot_-g(w_(a+g)) rot_a(v_j))``: baby shifts of each feature, giant
+    shifts of the weights, one rotation per feature and giant step. A wrapping layout's shift
+    ``T - 1`` uses ``wrapped`` (already shifted), with the weights unrotated (``a`` is None).
+    """
+    count, tokens = len(v[0]), layout.tokens
+    value_shifts: list[tuple[int | None, int]] = list(_token_shifts(layout))
     if wrapped:
         value_shifts[-1] = (None, 0)
     weights = [circuit.rotate(ct, -value_shifts[i % tokens][1]) for i, ct in enumerate(weights)]
+    giants = sorted({giant for _, giant in value_shifts})
     out: Tensor = []
     for j, feature in enumerate(v):
         row = []
         for c in range(count):
             values = _baby_shifts(circuit, feature[c], layout)
-            parts = {giant: ProductSum(circuit) for giant in sorted({g for _, g in value_shifts})}
+            parts = {giant: ProductSum(circuit) for giant in giants}
             for d, (a, giant) in enumerate(value_shifts):
                 source = wrapped[j][c] if a is None else values[a]
                 parts[giant].add(weights[c * tokens + d], source)

@@ -496,6 +496,16 @@ class RefreshServer(_OnChain):
         mask = RefreshMask(material.negated, masked.scale, chain.top_parms_id)
         return MaskedCiphertext(masked), mask
 
+    def hold_material(self) -> None:
+        """Withdraw unstarted mask material jobs: the workers are wanted for something else."""
+        if self._supply is not None:
+            self._supply.pause()
+
+    def resume_material(self) -> None:
+        """Have the workers make mask material again (after :meth:`hold_material`)."""
+        if self._supply is not None:
+            self._supply.top_up()
+
     def unmask_many(
         self, fresh: Sequence[Ciphertext], masks: Sequence[RefreshMask]
     ) -> list[sealapi.Ciphertext]:

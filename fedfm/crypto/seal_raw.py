@@ -121,7 +121,7 @@ def primes_of(seal_context: Any, parms_id: ParmsId | list[int]) -> list[int]:
 @functools.cache
 def _seal_version() -> tuple[int, int]:
     """The (major, minor) version SEAL stamps on what it saves; ``load`` insists on it."""
-    with tempfile.TemporaryDirectory(dir=_scratch_root()) as folder:
+    with tempfile.TemporaryDirectory(dir=scratch_root()) as folder:
         path = Path(folder) / "object"
         sealapi.Plaintext().save(str(path))
         _, _, major, minor, *_ = HEADER.unpack_from(path.read_bytes())
@@ -284,7 +284,7 @@ def parse_compact(blob: bytes, seal_context: Any) -> RawCiphertext:
 # --- file exchange with SEAL ---------------------------------------------------------------
 
 
-def _scratch_root() -> str | None:
+def scratch_root() -> str | None:
     """RAM-backed ``/dev/shm`` when present: the files only shuttle bytes in and out of SEAL."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
@@ -318,7 +318,7 @@ class SealIO:
     def __init__(self, context: Any, *, direct: bool | None = None) -> None:
         self.seal_context = seal_context_of(context)
         self.direct = seal_memory.available() if direct is None else direct
-        self._folder = tempfile.mkdtemp(prefix="fedfm-seal-", dir=_scratch_root())
+        self._folder = tempfile.mkdtemp(prefix="fedfm-seal-", dir=scratch_root())
         self._path = str(Path(self._folder) / "object")
         self._finalizer = weakref.finalize(self, _remove_folder, self._folder, os.getpid())
         self._evaluator = sealapi.Evaluator(self.seal_context)
@@ -444,7 +444,7 @@ class SealIO:
 
 def seal_bytes(item: Any) -> bytes:
     """What ``item.save`` writes (SEAL's bindings only write to files)."""
-    with tempfile.TemporaryDirectory(dir=_scratch_root()) as folder:
+    with tempfile.TemporaryDirectory(dir=scratch_root()) as folder:
         path = str(Path(folder) / "object")
         item.save(path)
         return Path(path).read_bytes()

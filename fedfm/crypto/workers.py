@@ -4,9 +4,13 @@ SEAL's Python bindings keep the GIL, so threads do not help; processes do. One p
 (:func:`shared_pool`) serves every key in it (a simulation runs many data owners and the server's
 evaluators in one process): a job carries the serialized context it needs (public or secret,
 without rotation keys: up to a few MB), and each worker keeps the last few contexts it loaded.
-Two jobs use it: a data owner's refresh of a batch of masked ciphertexts (:func:`refresh_blobs`,
-split across the workers) and the server's mask material, made ahead of time because it depends
-on no data (:func:`mask_material_blobs`).
+Three jobs use it: a data owner's refresh of a batch of masked ciphertexts (:func:`refresh_blobs`,
+split across the workers), the server's mask material, made ahead of time because it depends
+on no data (:func:`mask_material_blobs`), and *segments* of the server's block evaluation that
+need no refresh and do not depend on each other, such as one attention head's logits
+(:func:`run_segment`, driven by :meth:`fedfm.crypto.circuit.Circuit.spread`). A segment's worker
+loads the evaluator's public context (with its rotation keys: megabytes, too large to send with
+every job) from a file the evaluator writes once, and keeps the circuit it built.
 
 Workers are forked (``fork``: no re-import of the caller's main script, as ``spawn`` would do;
 they only run SEAL and element-wise NumPy, not the parent's thread pools).
@@ -38,6 +42,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
+import numpy as np
 import tenseal as ts
 
 from fedfm.errors import ConfigError
@@ -57,6 +62,8 @@ CONTEXTS_PER_WORKER = 4
 
 # In a worker: the objects built from recently used contexts, most recent last.
 _LOADED: OrderedDict[tuple[str, bytes, int], Any] = OrderedDict()
+# In a worker: evaluation circuits by context file (path, size, modification time).
+_CIRCUITS: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
 # In the parent: the pool of this process and its size.
 _POOL: list[WorkerPool] = []
 
@@ -123,6 +130,66 @@ def refresh_blobs(context_bytes: bytes, blobs: Sequence[bytes]) -> list[bytes]:
     io, client = _loaded("client", context_bytes)
     fresh = client.refresh_many([io.load_ciphertext(blob) for blob in blobs])
     return [dumps(ct) for ct in fresh]
+
+
+def encode_nested(value: Any) -> Any:
+    """Nested lists and tuples of SEAL ciphertexts (and NumPy arrays, kept as they are) with
+    every ciphertext in compact bytes."""
+    from fedfm.crypto.seal_raw import dumps
+
+    if isinstance(value, (list, tuple)):
+        return [encode_nested(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return value
+    return dumps(value)
+
+
+def decode_nested(io: Any, value: Any) -> Any:
+    """The inverse of :func:`encode_nested` for ``io``'s context (a ``SealIO``)."""
+    if isinstance(value, list):
+        return [decode_nested(io, item) for item in value]
+    if isinstance(value, bytes):
+        return io.load_ciphertext(value)
+    return value
+
+
+class _NoRefresh:
+    """A segment's refresher: segments are cut so that no level runs out inside them."""
+
+    def mask_many(self, cts: Sequence[Any]) -> Any:
+        from fedfm.errors import ProtocolError
+
+        raise ProtocolError("internal: a block segment sent to a worker needed a refresh")
+
+
+def run_segment(
+    context_path: str,
+    steps: Sequence[int],
+    function: Callable[..., Any],
+    inputs: Sequence[Any],
+    options: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """In a worker: ``function(circuit, *inputs, **options)`` on a circuit of the public context
+    saved at ``context_path``; ciphertexts travel as :func:`encode_nested` forms. Returns the
+    result and the operations it took (:meth:`CircuitStats.operations`)."""
+    from fedfm.crypto.circuit import Circuit, CircuitStats
+
+    status = os.stat(context_path)
+    key = (context_path, status.st_size, status.st_mtime_ns)
+    if key in _CIRCUITS:
+        _CIRCUITS.move_to_end(key)
+        circuit = _CIRCUITS[key]
+    else:
+        with open(context_path, "rb") as handle:
+            context = ts.context_from(handle.read())
+        circuit = Circuit(context, _NoRefresh())
+        circuit.declare_steps(steps)
+        _CIRCUITS[key] = circuit
+        while len(_CIRCUITS) > CONTEXTS_PER_WORKER:
+            _CIRCUITS.popitem(last=False)
+    circuit.stats = CircuitStats()
+    result = function(circuit, *(decode_nested(circuit.io, item) for item in inputs), **options)
+    return encode_nested(result), circuit.stats.operations()
 
 
 def mask_material_blobs(
