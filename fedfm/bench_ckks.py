@@ -49,9 +49,9 @@ def _cores_description(backend: CkksBackend) -> str:
     if backend.workers < 2:
         return "Server and data owner in one process (FEDFM_CKKS_WORKERS below 2: one core)"
     return (
-        f"Server and data owner on this machine's {_cores_used(backend)} cores: linear layers "
-        f"in multithreaded BLAS, masks and refreshes in {backend.workers} worker processes "
-        "(FEDFM_CKKS_WORKERS)"
+        f"Server and data owner on this machine's {_cores_used(backend)} cores: attention heads "
+        f"past the first, mask material and the data owner's refreshes in {backend.workers} "
+        "worker processes (FEDFM_CKKS_WORKERS), the rest of the server in its own"
     )
 
 

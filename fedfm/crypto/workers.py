@@ -22,7 +22,7 @@ and the work runs in-process, with the same results.
 The allocator (:func:`keep_heap`): every homomorphic operation allocates megabytes of temporaries
 (NumPy arrays, SEAL polynomials). glibc serves such blocks from fresh ``mmap`` pages or gives heap
 memory back to the system as soon as it is freed, so the kernel maps and zeroes them again for the
-next operation: a quarter of a block's time at N = 8192 went to that (``sys`` time). The CKKS
+next operation: about a tenth of a block's time at N = 8192 went to that (system time). The CKKS
 backend therefore asks glibc, once per process, to keep up to 1 GiB of freed heap and to serve
 blocks below 32 MiB from it (``FEDFM_KEEP_HEAP=0`` leaves the allocator alone). The cost: the
 process keeps its peak heap instead of shrinking after a block.
@@ -42,10 +42,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
-import numpy as np
 import tenseal as ts
 
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, ProtocolError
 
 _LOG = logging.getLogger(__name__)
 WORKERS_VARIABLE = "FEDFM_CKKS_WORKERS"
@@ -133,14 +132,11 @@ def refresh_blobs(context_bytes: bytes, blobs: Sequence[bytes]) -> list[bytes]:
 
 
 def encode_nested(value: Any) -> Any:
-    """Nested lists and tuples of SEAL ciphertexts (and NumPy arrays, kept as they are) with
-    every ciphertext in compact bytes."""
+    """Nested lists and tuples of SEAL ciphertexts as the same nesting of compact bytes."""
     from fedfm.crypto.seal_raw import dumps
 
     if isinstance(value, (list, tuple)):
         return [encode_nested(item) for item in value]
-    if isinstance(value, np.ndarray):
-        return value
     return dumps(value)
 
 
@@ -148,17 +144,13 @@ def decode_nested(io: Any, value: Any) -> Any:
     """The inverse of :func:`encode_nested` for ``io``'s context (a ``SealIO``)."""
     if isinstance(value, list):
         return [decode_nested(io, item) for item in value]
-    if isinstance(value, bytes):
-        return io.load_ciphertext(value)
-    return value
+    return io.load_ciphertext(value)
 
 
 class _NoRefresh:
     """A segment's refresher: segments are cut so that no level runs out inside them."""
 
     def mask_many(self, cts: Sequence[Any]) -> Any:
-        from fedfm.errors import ProtocolError
-
         raise ProtocolError("internal: a block segment sent to a worker needed a refresh")
 
 
