@@ -155,3 +155,24 @@ def test_attention_heads_in_workers_match_in_process_evaluation() -> None:
     for got in outputs:
         assert np.abs(got - expected).max() <= 1e-4 * span
     assert counts[0] == counts[1] and counts[0][0] > 0
+
+
+def _double(circuit, ct):
+    return [circuit.add(ct, ct)]
+
+
+def test_segments_meet_a_dead_pool_and_finish_in_process(caplog) -> None:
+    values = np.random.default_rng(4).normal(size=(3, 5, 2))
+    owner, evaluator = _parties(CkksBackend(CKKS_8192_REFRESH, workers=2))
+    circuit = evaluator.circuit
+    cts = [feature[0] for feature in evaluator.load(owner.encrypt(values).to_payload()).nested()]
+    assert circuit.pool is not None
+    for process in list(workers._POOL[0]._executor._processes.values()):
+        process.kill()
+        process.join()
+    doubled = circuit.spread(_double, [(ct,) for ct in cts])
+    assert "evaluating in-process" in caplog.text and circuit.pool is None
+    # the worker's share was evaluated here instead: twice each feature, decrypted
+    np.testing.assert_allclose(
+        owner.decrypt(evaluator._batch(doubled, values.shape, copies=True)), 2 * values, atol=1e-5
+    )

@@ -28,6 +28,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -146,8 +147,34 @@ class Circuit:
         hold = getattr(self.refresher, "hold_material", None)
         if hold is not None:
             hold()  # segments must not queue behind mask material
-        futures = [
-            self.pool.submit(
+        futures = [self._submit_segment(function, args, options) for args in inputs[1:]]
+        out = [function(self, *inputs[0], **options)]
+        for args, future in zip(inputs[1:], futures, strict=True):
+            done = None
+            if future is not None:
+                try:
+                    done = future.result()
+                except BrokenProcessPool as error:
+                    self._drop_pool(error)
+            if done is None:
+                out.append(function(self, *args, **options))
+                continue
+            result, operations = done
+            self.stats.merge(operations)
+            out.append(decode_nested(self.io, result))
+        resume = getattr(self.refresher, "resume_material", None)
+        if resume is not None:
+            resume()
+        return out
+
+    def _submit_segment(
+        self, function: Callable[..., Any], args: Sequence[Any], options: dict[str, Any]
+    ) -> Future[Any] | None:
+        """The segment's future in the pool, or ``None`` (evaluate here) if there is none."""
+        if self.pool is None or self.context_path is None:
+            return None
+        try:
+            return self.pool.submit(
                 run_segment,
                 self.context_path,
                 self._steps,
@@ -155,22 +182,14 @@ class Circuit:
                 [encode_nested(item) for item in args],
                 options,
             )
-            for args in inputs[1:]
-        ]
-        out = [function(self, *inputs[0], **options)]
-        for args, future in zip(inputs[1:], futures, strict=True):
-            try:
-                result, operations = future.result()
-            except BrokenProcessPool as error:
-                _LOG.warning("segment worker failed (%s); evaluating in-process", error)
-                out.append(function(self, *args, **options))
-                continue
-            self.stats.merge(operations)
-            out.append(decode_nested(self.io, result))
-        resume = getattr(self.refresher, "resume_material", None)
-        if resume is not None:
-            resume()
-        return out
+        except BrokenProcessPool as error:
+            self._drop_pool(error)
+            return None
+
+    def _drop_pool(self, error: BrokenProcessPool) -> None:
+        if self.pool is not None:
+            _LOG.warning("segment workers failed (%s); evaluating in-process", error)
+        self.pool = None  # a broken pool does not come back
 
     # -- levels ----------------------------------------------------------------------------------
     def headroom(self, ct: Ciphertext) -> int:
