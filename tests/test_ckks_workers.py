@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 import os
 import platform
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -77,9 +79,9 @@ def test_workers_refresh_to_the_same_values_as_in_process(monkeypatch) -> None:
 
 
 def _spy(method, calls: list):
-    def spied(self, *args):
+    def spied(self, *args, **kwargs):
         calls.append(args)
-        return method(self, *args)
+        return method(self, *args, **kwargs)
 
     return spied
 
@@ -88,14 +90,34 @@ def test_a_failed_worker_pool_falls_back_to_in_process(caplog) -> None:
     values = np.random.default_rng(1).normal(size=(6, 5, 12))
     owner, evaluator = _parties(CkksBackend(CKKS_8192_REFRESH, workers=2))
     _refresh_round_trip(owner, evaluator, values)
-    for process in list(workers._POOL[0]._executor._processes.values()):
-        process.kill()
-        process.join()
+    _kill_idle_workers(evaluator)
     # the refresh and the material ordered after the first refresh both meet the dead pool
     np.testing.assert_allclose(_refresh_round_trip(owner, evaluator, values), values, atol=1e-6)
     assert "refreshing in-process" in caplog.text
     assert "masks are made in-process" in caplog.text
     assert evaluator.circuit.refresher._supply._workers is None
+
+
+def _kill_idle_workers(evaluator) -> None:
+    """Kill the pool's workers between jobs and wait until the pool knows it is broken.
+
+    Not in the middle of a job: a worker killed while sending its result leaves the parent's
+    result reader waiting forever for the rest of that message (CPython's ProcessPoolExecutor
+    cannot tell), which once hung a whole test run. The mask material made before is dropped,
+    so that the next refresh needs the dead pool.
+    """
+    refresher = evaluator.circuit.refresher
+    refresher.hold_material()
+    supply = refresher._supply
+    concurrent.futures.wait(list(supply._pending))
+    supply._pending.clear()
+    supply._ready.clear()
+    pool = workers._POOL[0]
+    for process in list(pool._executor._processes.values()):
+        process.kill()
+        process.join()
+    with pytest.raises(BrokenProcessPool):
+        pool.submit(os.getpid).result()
 
 
 def _drop_in_child(io: SealIO) -> None:
@@ -167,12 +189,35 @@ def test_segments_meet_a_dead_pool_and_finish_in_process(caplog) -> None:
     circuit = evaluator.circuit
     cts = [feature[0] for feature in evaluator.load(owner.encrypt(values).to_payload()).nested()]
     assert circuit.pool is not None
-    for process in list(workers._POOL[0]._executor._processes.values()):
-        process.kill()
-        process.join()
+    _kill_idle_workers(evaluator)
     doubled = circuit.spread(_double, [(ct,) for ct in cts])
     assert "evaluating in-process" in caplog.text and circuit.pool is None
     # the worker's share was evaluated here instead: twice each feature, decrypted
     np.testing.assert_allclose(
         owner.decrypt(evaluator._batch(doubled, values.shape, copies=True)), 2 * values, atol=1e-5
     )
+
+
+def _tagged(prefix: bytes, chunk) -> list[bytes]:
+    return [prefix + b"worker:" + item for item in chunk]
+
+
+def test_the_caller_takes_back_chunks_no_worker_started() -> None:
+    discard_pool()
+    pool = workers.shared_pool(2)
+    items = [str(i).encode() for i in range(200)]
+    seen: list[int] = []
+
+    def local(chunk):
+        seen.append(len(chunk))
+        return [b"x:local:" + item for item in chunk]
+
+    out = pool.map_chunks(_tagged, b"x:", items, local=local)
+    # every item once, in order, whoever did it
+    assert [item.rsplit(b":", 1)[1] for item in out] == items
+    assert all(item.startswith((b"x:local:", b"x:worker:")) for item in out)
+    # small chunks (about 4 per process, at least STEAL_CHUNK_MIN items) and the caller did some
+    assert seen and max(seen) <= max(workers.STEAL_CHUNK_MIN, -(-200 // 12))
+    assert sum(seen) == sum(item.startswith(b"x:local:") for item in out)
+    # without a local function, one chunk per worker and all done there
+    assert all(item.startswith(b"x:worker:") for item in pool.map_chunks(_tagged, b"x:", items))

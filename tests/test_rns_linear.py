@@ -8,15 +8,23 @@ import tenseal as ts
 
 from fedfm.crypto import CKKS_8192
 from fedfm.crypto.circuit import Circuit
-from fedfm.crypto.rns_linear import LIMB_BITS, integer_weights, linear_residues
+from fedfm.crypto.rns_linear import (
+    LIMB_BITS,
+    integer_weights,
+    linear_residues,
+    times_power_of_two,
+)
 from fedfm.crypto.seal_raw import primes_of
 from fedfm.errors import ProtocolError
 
+# CKKS primes just below a power of two (the shortcut of times_power_of_two) and moduli far from
+# one (its general path)
+MODULI = [(1 << 40) - 87, (1 << 58) - 93, (1 << 60) - 87, (1 << 39) + 12345, (1 << 59) + 4321]
 
-@pytest.mark.parametrize("prime_bits", [40, 58, 60])
-def test_residue_products_are_exact(prime_bits: int) -> None:
-    rng = np.random.default_rng(prime_bits)
-    prime = (1 << prime_bits) - 93 if prime_bits == 58 else (1 << prime_bits) - 87
+
+@pytest.mark.parametrize("prime", MODULI)
+def test_residue_products_are_exact(prime: int) -> None:
+    rng = np.random.default_rng(prime % 1000)
     fan_in, fan_out, width = 256, 5, 64
     residues = rng.integers(0, prime, size=(fan_in, width), dtype=np.uint64)
     weight = rng.normal(0.0, 4.0, size=(fan_out, fan_in))
@@ -29,6 +37,17 @@ def test_residue_products_are_exact(prime_bits: int) -> None:
         for m in range(0, width, 7):
             expected = sum(big[o][i] * int(residues[i, m]) for i in range(fan_in)) % prime
             assert int(got[o, m]) == expected
+
+
+@pytest.mark.parametrize("prime", MODULI)
+def test_multiplying_by_a_power_of_two_matches_python_integers(prime: int) -> None:
+    rng = np.random.default_rng(prime % 997)
+    values = np.concatenate(
+        [rng.integers(0, prime, size=500, dtype=np.uint64), np.array([0, 1, prime - 1], np.uint64)]
+    )
+    for bits in (1, LIMB_BITS, 33):
+        got = times_power_of_two(values, bits, prime)
+        assert [int(v) for v in got] == [(int(v) << bits) % prime for v in values]
 
 
 def test_integer_weights_round_to_the_stated_step() -> None:

@@ -45,6 +45,7 @@ import os
 import tempfile
 import weakref
 import zlib
+from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import cached_property
@@ -383,14 +384,19 @@ class CkksKeyOwner(KeyOwner):
         pool = shared_pool(self._workers) if len(parts) >= MIN_PARALLEL_REFRESH else None
         if pool is not None:
             try:
-                fresh_parts = pool.map_chunks(refresh_blobs, self._worker_context, parts)
+                fresh_parts = pool.map_chunks(
+                    refresh_blobs, self._worker_context, parts, local=self._refresh_parts
+                )
                 return list_payload(fresh_parts, self.fingerprint)
             except BrokenProcessPool as error:
                 _LOG.warning("refresh workers failed (%s); refreshing in-process", error)
                 discard_pool()
-        masked = [self._io.load_ciphertext(part) for part in parts]
-        fresh = self._refresher.refresh_many(masked)
-        return list_payload([dumps(ct) for ct in fresh], self.fingerprint)
+        return list_payload(self._refresh_parts(parts), self.fingerprint)
+
+    def _refresh_parts(self, parts: Sequence[bytes]) -> list[bytes]:
+        """Masked ciphertexts -> fresh ones, in this process (wire forms both ways)."""
+        fresh = self._refresher.refresh_many([self._io.load_ciphertext(part) for part in parts])
+        return [dumps(ct) for ct in fresh]
 
     @cached_property
     def _worker_context(self) -> bytes:

@@ -13,7 +13,7 @@ sum stays below ``2**53``:
   ``shift`` is the smallest that fits, so a weight is rounded to ``2**shift / p_last`` (about
   ``2**-21`` for weights up to 8 at 40-bit primes and fan-in 256) instead of ``1 / p_last``;
 * ``Y = sum_t 2**(LIMB_BITS t + shift) (W' X_t) mod p``, reduced with the ``uint64`` arithmetic of
-  :mod:`fedfm.crypto.seal_raw`.
+  :mod:`fedfm.crypto.seal_raw` and :func:`times_power_of_two`.
 
 The result is written back as a SEAL ciphertext at scale ``scale * p_last`` and rescaled by SEAL,
 exactly as a sum of ``multiply_plain`` products would be. Reading ciphertexts costs a SEAL
@@ -29,7 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from fedfm.crypto.seal_raw import RawCiphertext, SealIO, addmod, primes_of
+from fedfm.crypto.seal_raw import (
+    RawCiphertext,
+    SealIO,
+    addmod,
+    mulmod,
+    primes_of,
+    reduce_once,
+)
 from fedfm.errors import ProtocolError
 
 LIMB_BITS = 20
@@ -50,16 +57,24 @@ def integer_weights(weight: np.ndarray, last_prime: int) -> tuple[np.ndarray, in
     return np.rint(weight * (last_prime / 2.0**shift)), shift
 
 
-def shift_mod(values: np.ndarray, bits: int, prime: int) -> np.ndarray:
-    """``values * 2**bits mod prime`` for ``values`` reduced modulo ``prime < 2**60``, in shifts
-    of ``63 - bits(prime)`` bits (each stays below ``2**63``)."""
-    step = 63 - prime.bit_length()
-    out = np.asarray(values, dtype=np.uint64)
-    while bits > 0:
-        shift = min(step, bits)
-        out = (out << np.uint64(shift)) % np.uint64(prime)
-        bits -= shift
-    return out
+def times_power_of_two(values: np.ndarray, bits: int, prime: int) -> np.ndarray:
+    """``values * 2**bits mod prime`` for ``values`` reduced modulo ``prime < 2**60``.
+
+    CKKS primes lie just below a power of two, ``2**width = prime + excess`` with a small
+    ``excess``: splitting ``values = high * 2**(width - bits) + low`` gives ``values * 2**bits =
+    high * 2**width + low * 2**bits = high * excess + low * 2**bits (mod prime)``, both terms
+    below ``prime`` when ``excess * 2**bits < prime``, so two conditional subtractions finish.
+    Other moduli take :func:`fedfm.crypto.seal_raw.mulmod`.
+    """
+    width = prime.bit_length()
+    excess = (1 << width) - prime
+    if not 0 < bits < width or excess << bits >= prime:
+        return mulmod(values, pow(2, bits, prime), prime)
+    low_bits = np.uint64(width - bits)
+    high = values >> low_bits
+    low = values & np.uint64((1 << (width - bits)) - 1)
+    total = (low << np.uint64(bits)) + high * np.uint64(excess)  # < 3 * prime < 2**62
+    return reduce_once(reduce_once(total, prime), prime)
 
 
 def linear_residues(
@@ -74,10 +89,19 @@ def linear_residues(
     acc = None
     for t in reversed(range(math.ceil(prime.bit_length() / LIMB_BITS))):
         limb = ((residues >> np.uint64(LIMB_BITS * t)) & limb_mask).astype(np.float64)
-        partial = ((small_weight @ limb).astype(np.int64) % np.int64(prime)).view(np.uint64)
-        acc = partial if acc is None else addmod(shift_mod(acc, LIMB_BITS, prime), partial, prime)
+        products = (small_weight @ limb).astype(np.int64)
+        if prime > 1 << EXACT_BITS:  # |products| < 2**53 < prime: a sign fix-up reduces them
+            partial = np.where(products < 0, products + np.int64(prime), products)
+        else:
+            partial = products % np.int64(prime)
+        partial = partial.view(np.uint64)
+        acc = (
+            partial
+            if acc is None
+            else addmod(times_power_of_two(acc, LIMB_BITS, prime), partial, prime)
+        )
     assert acc is not None  # every prime has at least one limb
-    return shift_mod(acc, shift, prime)
+    return times_power_of_two(acc, shift, prime) if shift else acc
 
 
 def linear_map(

@@ -521,8 +521,7 @@ def mulmod(a: np.ndarray, b: int, p: int) -> np.ndarray:
     width = 63 - p.bit_length()
     chunks = -(-b.bit_length() // width)
     if chunks > _HORNER_STEPS:
-        remainder = a * np.uint64(b) - _high_product(a, (b << 64) // p) * np.uint64(p)
-        return np.where(remainder >= np.uint64(p), remainder - np.uint64(p), remainder)
+        return reduce_once(a * np.uint64(b) - _high_product(a, (b << 64) // p) * np.uint64(p), p)
     acc = np.zeros_like(a)
     for shift in range(width * (chunks - 1), -1, -width):
         acc <<= np.uint64(width)
@@ -548,15 +547,22 @@ def _high_product(a: np.ndarray, w: int) -> np.ndarray:
     return a_high * w_high + (middle >> _32) + (middle_low >> _32)
 
 
+def reduce_once(values: np.ndarray, p: int) -> np.ndarray:
+    """``values`` in ``[0, 2p)`` reduced into ``[0, p)``: ``values - p`` wraps around to above
+    ``values`` exactly when ``values < p``, so the minimum of the two is the reduction (cheaper
+    than NumPy's ``uint64`` remainder or a ``where``)."""
+    return np.minimum(values, values - np.uint64(p))
+
+
 def addmod(a: np.ndarray, b: np.ndarray, p: int) -> np.ndarray:
     """``a + b mod p`` for ``a, b`` reduced modulo ``p < 2^60``."""
-    return (np.asarray(a, dtype=np.uint64) + np.asarray(b, dtype=np.uint64)) % np.uint64(p)
+    return reduce_once(np.asarray(a, dtype=np.uint64) + np.asarray(b, dtype=np.uint64), p)
 
 
 def submod(a: np.ndarray, b: np.ndarray, p: int) -> np.ndarray:
     """``a - b mod p`` for ``a, b`` reduced modulo ``p < 2^60``."""
     shifted = np.asarray(a, dtype=np.uint64) + np.uint64(p)
-    return (shifted - np.asarray(b, dtype=np.uint64)) % np.uint64(p)
+    return reduce_once(shifted - np.asarray(b, dtype=np.uint64), p)
 
 
 @dataclass(frozen=True, eq=False)

@@ -56,6 +56,9 @@ _HEAP_SETTINGS = {
     _M_TOP_PAD: 256 << 20,  # grow the heap in steps of 256 MiB
     _M_MMAP_THRESHOLD: 32 << 20,  # blocks below 32 MiB (glibc's maximum) from the heap
 }
+# map_chunks with the caller working too: about this many chunks per process, each at least
+# this many items (a refresh of one ciphertext takes milliseconds; a job costs about one).
+STEAL_CHUNKS, STEAL_CHUNK_MIN = 4, 8
 # Contexts a worker keeps loaded (data owners and evaluators it serves in turn).
 CONTEXTS_PER_WORKER = 4
 
@@ -209,13 +212,38 @@ class WorkerPool:
         function: Callable[[bytes, Sequence[bytes]], list[bytes]],
         context_bytes: bytes,
         items: Sequence[bytes],
+        local: Callable[[Sequence[bytes]], list[bytes]] | None = None,
     ) -> list[bytes]:
-        """``function(context_bytes, chunk)`` over one contiguous chunk of ``items`` per worker,
-        results in order."""
-        size = -(-len(items) // self.count)
+        """``function(context_bytes, chunk)`` over contiguous chunks of ``items``, results in
+        order.
+
+        Without ``local``: one chunk per worker. With ``local``, the calling process works too:
+        the items go out in small chunks and the caller takes back, from the end, every chunk no
+        worker has picked up yet (:meth:`Future.cancel` succeeds), running ``local(chunk)``
+        itself. Workers still busy with earlier jobs (mask material made ahead) then delay
+        nothing: whoever is free does the next chunk.
+        """
+        if local is None:
+            size = -(-len(items) // self.count)
+        else:
+            size = max(STEAL_CHUNK_MIN, -(-len(items) // (STEAL_CHUNKS * (self.count + 1))))
         chunks = [items[start : start + size] for start in range(0, len(items), size)]
         futures = [self._executor.submit(function, context_bytes, chunk) for chunk in chunks]
-        return [item for future in futures for item in future.result()]
+        done: dict[int, list[bytes]] = {}
+        try:
+            if local is not None:
+                for index in reversed(range(len(chunks))):
+                    if not futures[index].cancel():
+                        break
+                    done[index] = local(chunks[index])
+            return [
+                item
+                for index, future in enumerate(futures)
+                for item in (done[index] if index in done else future.result())
+            ]
+        finally:
+            for future in futures:
+                future.cancel()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
