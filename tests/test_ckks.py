@@ -209,6 +209,37 @@ def test_embedding_and_blocks_match_the_plaintext_model(
     )
 
 
+def test_mlp_folds_two_features_per_ciphertext_at_half_the_capacity(
+    tiny: tuple[FheViT, torch.Tensor], owner: CkksKeyOwner, evaluator: CkksEvaluator
+) -> None:
+    """Up to half the batch capacity the MLP's hidden layer is folded (two features per
+    ciphertext), above it not; both match the plaintext block, folded with half the GELU's
+    refreshed ciphertexts."""
+    model, images = tiny
+    unfolded = evaluator.layout.capacity // 2 + 1
+    with torch.no_grad():
+        hidden = model.embed(images[torch.arange(unfolded) % len(images)])
+        reset_clamped(model)
+        expected = model.block(0, hidden).numpy()
+    assert clamped_count(model) == 0
+    hidden_layer = {}
+    for count in (unfolded, 6):
+        assert evaluator.layout.folds(count) == (count == 6)
+        stats = evaluator.circuit.stats
+        before = len(stats.places)
+        batch = owner.encrypt(hidden[:count].numpy())
+        out = run_locally(evaluator.evaluate_block(model, 0, batch), evaluator, owner)
+        got = owner.decrypt(out)
+        span = float(np.abs(expected[:count]).max())
+        assert np.abs(got - expected[:count]).max() <= TOLERANCE * span
+        hidden_layer[count] = sum(
+            int(place.rsplit(":", 1)[1])
+            for place in stats.places[before:]
+            if place.rsplit(":", 1)[0].endswith(("/gelu", "/fc2"))
+        )
+    assert hidden_layer[unfolded] > 0 and hidden_layer[6] * 2 == hidden_layer[unfolded]
+
+
 def test_block_client_sees_only_masked_values(
     tiny: tuple[FheViT, torch.Tensor], owner: CkksKeyOwner, evaluator: CkksEvaluator
 ) -> None:

@@ -111,6 +111,48 @@ def linear(circuit: Circuit, layer: Linear, x: Tensor) -> Tensor:
     return [list(outputs) for outputs in zip(*per_ciphertext, strict=True)]
 
 
+def folded_linear(circuit: Circuit, layout: SlotLayout, layer: Linear, x: Tensor) -> Tensor:
+    """``layer`` on ``x`` with two output features per ciphertext: feature ``o`` in the lower
+    half of the groups, feature ``pairs + o`` in the upper half (``pairs = ceil(out / 2)``).
+
+    ``x`` must be zero outside the lower half (a LayerNorm's output is, by its mask): then ``x``
+    plus its copies moved to the upper half (one rotation per input feature) are the inputs of
+    one scalar-weight layer with ``pairs`` outputs; the biases of both halves are one vector.
+    Half the ciphertexts for everything up to :func:`unfolded_linear` (at half the batch
+    capacity and below, e.g. 64 samples at N = 8192).
+    """
+    shift = layout.half_shift
+    moved = [[circuit.rotate(ct, -shift) for ct in feature] for feature in x]
+    out, width = layer.weight.shape
+    pairs = -(-out // 2)
+    weight = np.zeros((pairs, 2 * width))
+    weight[:, :width] = layer.weight[:pairs]
+    weight[: out - pairs, width:] = layer.weight[pairs:]
+    summed = linear(circuit, Linear(weight, np.zeros(pairs)), x + moved)
+    bias = np.zeros((pairs, layout.slots))
+    bias[:, :shift] = layer.bias[:pairs, None]
+    bias[: out - pairs, shift : 2 * shift] = layer.bias[pairs:, None]
+    key = hashlib.sha256(bias.tobytes()).hexdigest()  # cached plaintexts are keyed by value
+    return [
+        [circuit.add_vector(ct, ("folded bias", key, o), bias[o]) for ct in feature]
+        for o, feature in enumerate(summed)
+    ]
+
+
+def unfolded_linear(circuit: Circuit, layout: SlotLayout, layer: Linear, x: Tensor) -> Tensor:
+    """``layer`` on the folded features of :func:`folded_linear` (``x[o]`` holds features ``o``
+    and ``len(x) + o``): one rotation per ciphertext brings the upper halves down, and the
+    output (one feature per ciphertext) is right in the lower half; the upper half holds
+    bounded cross terms that later masks remove, as they remove other empty slots."""
+    moved = [[circuit.rotate(ct, layout.half_shift) for ct in feature] for feature in x]
+    out, width = layer.weight.shape
+    pairs = len(x)
+    weight = np.zeros((out, 2 * pairs))
+    weight[:, :pairs] = layer.weight[:, :pairs]
+    weight[:, pairs : pairs + width - pairs] = layer.weight[:, pairs:]
+    return linear(circuit, Linear(weight, layer.bias), x + moved)
+
+
 def _flat(tensor: Tensor) -> list[Ciphertext]:
     return [ct for feature in tensor for ct in feature]
 
@@ -446,15 +488,22 @@ def mlp(
         circuit, block.norm2, x, layout.valid(samples), ("valid", samples), f"{place}/norm2"
     )
     (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/fc1")
-    hidden = linear(
-        circuit, Linear.of(block.mlp.fc1).after_norm(block.norm2, centring), _shape(flat, len(x))
-    )
+    fc1 = Linear.of(block.mlp.fc1).after_norm(block.norm2, centring)
+    normed = _shape(flat, len(x))
+    # A batch in the lower half of the groups carries the hidden layer two features per
+    # ciphertext: half the GELU work and half its refreshes, for a rotation per feature.
+    folded = layout.folds(samples)
+    hidden = folded_linear(circuit, layout, fc1, normed) if folded else linear(circuit, fc1, normed)
     h = symbol()
     activated = yield from evaluate_traced(
         circuit, polyval(block.mlp.act.spec, h), {h: _flat(hidden)}, f"{place}/gelu"
     )
     (activated,) = yield from circuit.ensure([activated], 1, f"{place}/fc2")
-    return linear(circuit, Linear.of(block.mlp.fc2), _shape(activated, len(hidden)))
+    activated_tensor = _shape(activated, len(hidden))
+    fc2 = Linear.of(block.mlp.fc2)
+    if folded:
+        return unfolded_linear(circuit, layout, fc2, activated_tensor)
+    return linear(circuit, fc2, activated_tensor)
 
 
 def block(

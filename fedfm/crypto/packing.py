@@ -84,6 +84,17 @@ class SlotLayout:
     def ciphertexts_for(self, samples: int) -> int:
         return -(-samples // self.capacity)
 
+    def folds(self, samples: int) -> bool:
+        """Whether a batch of ``samples`` leaves the upper half of the groups empty, so that a
+        ciphertext can carry two features (one per half; :attr:`half_shift` apart)."""
+        return self.capacity >= 2 and 2 * samples <= self.capacity
+
+    @property
+    def half_shift(self) -> int:
+        """The rotation that moves the lower half of the groups onto the upper half (a keyed
+        step: :meth:`rotation_steps` has ``group * capacity / 2``)."""
+        return self.group * (self.capacity // 2)
+
     @property
     def baby_steps(self) -> int:
         """``b = ceil(sqrt(tokens))``: attention splits a token shift ``d`` into ``d % b`` (a baby
