@@ -29,6 +29,7 @@ from fedfm.approx.modules import clamped_count, reset_clamped
 from fedfm.crypto import get_backend
 from fedfm.crypto.backend import drive
 from fedfm.crypto.ckks import CkksBackend
+from fedfm.crypto.workers import WorkerPool, shared_pool
 from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT
 from fedfm.pipeline import DistillRun, load_data, load_student
@@ -53,6 +54,20 @@ def _cores_description(backend: CkksBackend) -> str:
         f"past the first, mask material and the data owner's refreshes in {backend.workers} "
         "worker processes (FEDFM_CKKS_WORKERS), the rest of the server in its own"
     )
+
+
+def _cpu_seconds(pool: WorkerPool | None) -> tuple[float, dict[int, float]]:
+    """CPU seconds (user + system) so far of this process and of each of ``pool``'s workers,
+    these read from ``/proc`` (Linux; none elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    workers = {}
+    for pid in pool.process_ids() if pool is not None else []:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        workers[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return time.process_time(), workers
 
 
 def _payload_bytes(payload: dict[str, np.ndarray]) -> int:
@@ -102,9 +117,15 @@ def measure_block(
     stats = evaluator.circuit.stats
     before = (stats.rotations, stats.products, stats.plain_products, len(stats.places))
     seconds_before = dict(stats.seconds)
+    pool = shared_pool(backend.workers)
+    cpu_before = _cpu_seconds(pool)
     started = time.perf_counter()
     output = drive(evaluator.evaluate_block(model, block, batch), refresh)
     total = time.perf_counter() - started
+    cpu_after = _cpu_seconds(pool)
+    worker_cpu = sorted(
+        (spent - cpu_before[1].get(pid, 0.0) for pid, spent in cpu_after[1].items()), reverse=True
+    )
     download = output.nbytes
     started = time.perf_counter()
     decrypted = owner.decrypt(output)
@@ -143,6 +164,10 @@ def measure_block(
             f"seconds_per_block_{transport}": seconds + (traffic["refreshes"] + 1) * rtt
             for transport, rtt in ROUND_TRIP_SECONDS.items()
         },
+        # CPU of the block's evaluation and its refreshes: this process (the server and the
+        # data owner's in-process share) and each worker process
+        "cpu_seconds_this_process": cpu_after[0] - cpu_before[0],
+        "cpu_seconds_per_worker": worker_cpu,
         "keygen_seconds": keygen,
         "public_context_bytes": len(public),
         "refresh_places": stats.places[before[3] :],
@@ -296,6 +321,7 @@ def run_ckks_benchmark(
             ("seconds_per_sample_per_block", "s/sample/block"),
             ("server_seconds", "server s"),
             ("client_seconds", "client s"),
+            ("cpu_seconds_this_process", "CPU s main process"),
             ("refreshes", "refreshes"),
             ("round_trips", "round trips"),
             ("bytes_per_sample_per_block", "bytes/sample/block"),

@@ -354,6 +354,10 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
         assert row["refreshes"] > 0 and row["round_trips"] == row["refreshes"] + 1
         assert row["error_over_range"] < 1e-3 and row["bytes_per_sample_per_block"] > 0
         assert row["seconds_per_block_deployment"] > row["seconds_per_block_simulation"]
+        # CPU of this process and of each worker the backend has (FEDFM_CKKS_WORKERS)
+        assert row["cpu_seconds_this_process"] > 0
+        assert len(row["cpu_seconds_per_worker"]) == report["worker_processes"]
+        assert all(seconds >= 0 for seconds in row["cpu_seconds_per_worker"])
     spent = report["server_seconds_by_operation"]["4"]
     assert {"rotations", "plaintext products", "ciphertext products", "refresh masks"} <= set(spent)
     assert sum(spent.values()) <= rows[-1]["server_seconds"]

@@ -245,6 +245,10 @@ class WorkerPool:
             for future in futures:
                 future.cancel()
 
+    def process_ids(self) -> list[int]:
+        """The worker processes' ids (none before the first job starts them)."""
+        return [process.pid for process in self._executor._processes.values()]
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
