@@ -221,3 +221,6 @@ def test_the_caller_takes_back_chunks_no_worker_started() -> None:
     assert sum(seen) == sum(item.startswith(b"x:local:") for item in out)
     # without a local function, one chunk per worker and all done there
     assert all(item.startswith(b"x:worker:") for item in pool.map_chunks(_tagged, b"x:", items))
+    assert len(pool.process_ids()) == 2
+    discard_pool()
+    assert pool.process_ids() == []  # a closed pool has no processes to report

@@ -132,9 +132,10 @@ def folded_linear(circuit: Circuit, layout: SlotLayout, layer: Linear, x: Tensor
     bias = np.zeros((pairs, layout.slots))
     bias[:, :shift] = layer.bias[:pairs, None]
     bias[: out - pairs, shift : 2 * shift] = layer.bias[pairs:, None]
-    key = hashlib.sha256(bias.tobytes()).hexdigest()  # cached plaintexts are keyed by value
+    # encoded afresh each time (no cache key): one plaintext per output feature and block would
+    # otherwise stay in memory for the evaluator's lifetime (a megabyte each at N = 16384)
     return [
-        [circuit.add_vector(ct, ("folded bias", key, o), bias[o]) for ct in feature]
+        [circuit.add_vector(ct, None, bias[o]) for ct in feature]
         for o, feature in enumerate(summed)
     ]
 

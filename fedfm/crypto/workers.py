@@ -246,8 +246,10 @@ class WorkerPool:
                 future.cancel()
 
     def process_ids(self) -> list[int]:
-        """The worker processes' ids (none before the first job starts them)."""
-        return [process.pid for process in self._executor._processes.values()]
+        """The worker processes' ids (none before the first job starts them or after
+        :meth:`close`)."""
+        processes = self._executor._processes or {}  # None once the executor shut down
+        return [process.pid for process in processes.values()]
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
