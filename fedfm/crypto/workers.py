@@ -5,7 +5,8 @@ SEAL's Python bindings keep the GIL, so threads do not help; processes do. One p
 evaluators in one process): a job carries the serialized context it needs (public or secret,
 without rotation keys: up to a few MB), and each worker keeps the last few contexts it loaded.
 Three jobs use it: a data owner's refresh of a batch of masked ciphertexts (:func:`refresh_blobs`,
-split across the workers), the server's mask material, made ahead of time because it depends
+in small chunks shared by the workers and the calling process: :meth:`WorkerPool.map_chunks`),
+the server's mask material, made ahead of time because it depends
 on no data (:func:`mask_material_blobs`), and *segments* of the server's block evaluation that
 need no refresh and do not depend on each other, such as one attention head's logits
 (:func:`run_segment`, driven by :meth:`fedfm.crypto.circuit.Circuit.spread`). A segment's worker
