@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.protocols.transport import ConfigValue, Envelope
+from fedfm.runtime.transport import ConfigValue, Envelope
 
 ARRAYS = "fedfm.arrays"
 CONFIG = "fedfm.config"

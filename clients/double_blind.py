@@ -24,8 +24,8 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from fedfm.crypto import get_backend
+from fedfm.distillation.pipeline import DistillRun, load_data
 from fedfm.errors import ConfigError, FedfmError
-from fedfm.pipeline import DistillRun, load_data
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,

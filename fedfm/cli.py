@@ -93,9 +93,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, protocol: bool = Fals
 
 
 def _run_from_args(args: argparse.Namespace, workdir: Path):  # -> DistillRun
-    from fedfm.distill import DistillConfig
-    from fedfm.pipeline import ApproxSettings, DistillRun
-    from fedfm.training import PretrainConfig
+    from fedfm.distillation.distill import DistillConfig
+    from fedfm.distillation.pipeline import ApproxSettings, DistillRun
+    from fedfm.distillation.training import PretrainConfig
 
     seed = args.data_seed if hasattr(args, "data_seed") else args.seed
     batch_size = args.distill_batch_size if hasattr(args, "distill_batch_size") else args.batch_size
@@ -129,7 +129,7 @@ def _run_from_args(args: argparse.Namespace, workdir: Path):  # -> DistillRun
 
 
 def _distill(args: argparse.Namespace) -> None:
-    from fedfm.pipeline import run_distillation
+    from fedfm.distillation.pipeline import run_distillation
 
     run_distillation(
         _run_from_args(args, args.workdir), restart=args.restart, progress=not args.no_progress
@@ -137,7 +137,7 @@ def _distill(args: argparse.Namespace) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> None:
-    from fedfm.sweep import run_sweep
+    from fedfm.experiments.sweep import run_sweep
 
     run_sweep(
         _run_from_args(args, args.workdir),
@@ -150,7 +150,7 @@ def _sweep(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from fedfm.bench import run_latency_benchmark
+    from fedfm.experiments.bench import run_latency_benchmark
 
     run_latency_benchmark(
         _run_from_args(args, args.workdir),
@@ -232,9 +232,9 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> 
 
 
 def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (config, fed, ft)
-    from fedfm.baselines import DEFAULT_FINETUNE_LR, FineTuneConfig, check_method
     from fedfm.data.partition import SCHEMES
     from fedfm.errors import ConfigError
+    from fedfm.experiments.baselines import DEFAULT_FINETUNE_LR, FineTuneConfig, check_method
     from fedfm.protocols.double_blind.config import DoubleBlindConfig
     from fedfm.protocols.double_blind.runner import Federation
 
@@ -273,9 +273,9 @@ def _adapt(args: argparse.Namespace) -> None:
     import json
     from dataclasses import asdict
 
-    from fedfm.baselines import run_adaptation
-    from fedfm.pipeline import load_data, obtain_student
-    from fedfm.results import json_safe
+    from fedfm.distillation.pipeline import load_data, obtain_student
+    from fedfm.experiments.baselines import run_adaptation
+    from fedfm.experiments.results import json_safe
 
     config, federation, finetune = _protocol_from_args(args, args.method)
     output = args.output or Path("runs/adapt") / f"{args.method}.json"
@@ -317,7 +317,7 @@ def _adapt(args: argparse.Namespace) -> None:
 
 
 def _bench_protocol(args: argparse.Namespace) -> None:
-    from fedfm.bench_protocol import run_protocol_benchmark
+    from fedfm.experiments.bench_protocol import run_protocol_benchmark
 
     config, federation, finetune = _protocol_from_args(args)
     run_protocol_benchmark(
@@ -334,7 +334,7 @@ def _bench_protocol(args: argparse.Namespace) -> None:
 
 
 def _bench_extraction(args: argparse.Namespace) -> None:
-    from fedfm.bench_protocol import run_extraction_benchmark
+    from fedfm.experiments.bench_protocol import run_extraction_benchmark
 
     config, federation, _ = _protocol_from_args(args)
     run_extraction_benchmark(
@@ -349,7 +349,7 @@ def _bench_extraction(args: argparse.Namespace) -> None:
 
 
 def _bench_reveal(args: argparse.Namespace) -> None:
-    from fedfm.bench_protocol import run_reveal_benchmark
+    from fedfm.experiments.bench_protocol import run_reveal_benchmark
 
     config, federation, _ = _protocol_from_args(args)
     run_reveal_benchmark(
@@ -364,7 +364,7 @@ def _bench_reveal(args: argparse.Namespace) -> None:
 
 
 def _bench_ckks(args: argparse.Namespace) -> None:
-    from fedfm.bench_ckks import run_ckks_benchmark
+    from fedfm.experiments.bench_ckks import run_ckks_benchmark
 
     run_ckks_benchmark(
         _run_from_args(args, args.workdir),
@@ -379,7 +379,7 @@ def _bench_ckks(args: argparse.Namespace) -> None:
 
 
 def _bench_runtime(args: argparse.Namespace) -> None:
-    from fedfm.bench_runtime import DEFAULT_SIZES, run_runtime_benchmark
+    from fedfm.experiments.bench_runtime import DEFAULT_SIZES, run_runtime_benchmark
 
     run_runtime_benchmark(
         sizes=args.sizes or DEFAULT_SIZES,
@@ -419,7 +419,7 @@ def _helix_data_options(args: argparse.Namespace) -> dict:
 
 def _helix_eval(args: argparse.Namespace) -> None:
     from fedfm.errors import ConfigError
-    from fedfm.helix.evaluation import run_helix_evaluation
+    from fedfm.experiments.helix_evaluation import run_helix_evaluation
 
     pairs = [tuple(pair.split(",")) for pair in args.pairs]
     if any(len(pair) != 2 for pair in pairs):
@@ -430,7 +430,7 @@ def _helix_eval(args: argparse.Namespace) -> None:
 
 
 def _bench_helix(args: argparse.Namespace) -> None:
-    from fedfm.helix.bench import run_helix_benchmark
+    from fedfm.experiments.helix_bench import run_helix_benchmark
 
     run_helix_benchmark(
         provider_spec=args.provider,
@@ -444,8 +444,8 @@ def _bench_helix(args: argparse.Namespace) -> None:
 def _paper(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
-    from fedfm.paper import load_table, run_efficiency_table, run_table
-    from fedfm.pipeline import load_data, obtain_student
+    from fedfm.distillation.pipeline import load_data, obtain_student
+    from fedfm.experiments.paper import load_table, run_efficiency_table, run_table
 
     spec = (
         None
@@ -661,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         default=None,
-        help="experiment TOML (simulations/experiments/paper.toml)",
+        help="experiment TOML (fedfm/experiments/paper.toml)",
     )
     paper.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
     paper.add_argument("--rounds", type=int, default=None, help="override the rounds")

@@ -20,7 +20,7 @@ from flwr.common import log as flwr_log
 from flwr.serverapp import Grid, ServerApp
 
 from fedfm.crypto import get_backend
-from fedfm.pipeline import load_data, obtain_student
+from fedfm.distillation.pipeline import load_data, obtain_student
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.protocols.double_blind.settings import app_settings

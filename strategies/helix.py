@@ -1,6 +1,6 @@
-"""HELIX (:mod:`fedfm.helix`) as a Flower ServerApp: the relay between provider and clients."""
+"""HELIX (:mod:`fedfm.protocols.helix`) as a Flower ServerApp: the relay between the parties."""
 
-from fedfm.helix import helix
+from fedfm.protocols.helix import helix
 from fedfm_strategies.runtime import make_server_app
 
 app = make_server_app(helix)

@@ -16,7 +16,6 @@ from flwr.app import Context
 from flwr.common import log as flwr_log
 from flwr.serverapp import Grid, ServerApp
 
-from fedfm.protocols.transport import ConfigValue
 from fedfm.runtime import (
     ProtocolFactory,
     RunResult,
@@ -24,6 +23,7 @@ from fedfm.runtime import (
     server_settings,
     split_run_config,
 )
+from fedfm.runtime.transport import ConfigValue
 from fedfm_strategies.transport import FlowerTransport, wait_for_nodes
 
 

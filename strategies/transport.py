@@ -1,4 +1,4 @@
-"""fedfm's :class:`~fedfm.protocols.transport.Transport` over a Flower ``Grid``."""
+"""fedfm's :class:`~fedfm.runtime.transport.Transport` over a Flower ``Grid``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from flwr.serverapp import Grid
 
 from fedfm.errors import ProtocolError
-from fedfm.protocols.transport import Envelope, Failure
+from fedfm.runtime.transport import Envelope, Failure
 from fedfm_clients.codec import envelope_to_message, message_to_envelope
 
 
@@ -18,7 +18,7 @@ class FlowerTransport:
     Replies are polled every ``poll_interval`` seconds. (Flower 1.41's ``Grid.send_and_receive``
     does the same with the grid's own interval, which is 3 s for the deployment runtime's grid:
     too slow for a protocol of ``2L + 1`` round trips per round.) A reply carrying an error, a
-    malformed reply and a missing reply all become a :class:`~fedfm.protocols.transport.Failure`.
+    malformed reply and a missing reply all become a :class:`~fedfm.runtime.transport.Failure`.
     """
 
     def __init__(self, grid: Grid, *, poll_interval: float = 0.1) -> None:

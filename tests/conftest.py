@@ -11,8 +11,8 @@ import torch
 from fedfm.approx import calibrate
 from fedfm.approx.modules import clamped_count, reset_clamped
 from fedfm.data import DataSplits
+from fedfm.distillation.pipeline import ApproxSettings, save_student
 from fedfm.models import ModelSpec, to_fhe_friendly
-from fedfm.pipeline import ApproxSettings, save_student
 
 
 @pytest.fixture(scope="module")

@@ -17,19 +17,19 @@ import torch
 
 from fedfm.approx.modules import calibrate
 from fedfm.approx.specs import ApproxConfig
-from fedfm.baselines import (
+from fedfm.cli import main
+from fedfm.data import DataSplits
+from fedfm.distillation.pipeline import ApproxSettings, DistillRun, load_data, save_student
+from fedfm.errors import CheckpointError, ConfigError
+from fedfm.experiments.baselines import (
     FineTuneConfig,
     finetune_model,
     run_adaptation,
     run_full_finetune,
     run_linear_probe,
 )
-from fedfm.cli import main
-from fedfm.data import DataSplits
-from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import ModelSpec
-from fedfm.pipeline import ApproxSettings, DistillRun, load_data, save_student
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 

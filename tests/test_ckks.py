@@ -328,8 +328,8 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
 
     from conftest import save_micro_student
 
-    from fedfm.bench_ckks import run_ckks_benchmark
-    from fedfm.pipeline import DistillRun, load_data
+    from fedfm.distillation.pipeline import DistillRun, load_data
+    from fedfm.experiments.bench_ckks import run_ckks_benchmark
 
     run = DistillRun(model="vit_fedfm_micro", image_size=8, max_samples=60, workdir=tmp_path)
     splits, _ = load_data(run)

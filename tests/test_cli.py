@@ -25,13 +25,19 @@ from typing import Any
 import pytest
 import torch
 
-import fedfm.pipeline
+import fedfm.distillation.pipeline
 from fedfm.cli import main
 from fedfm.data import DataSplits, load_splits
+from fedfm.distillation.pipeline import (
+    ApproxSettings,
+    DistillRun,
+    load_data,
+    load_student,
+    save_student,
+)
+from fedfm.distillation.training import predict
 from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models import FheViT, ModelSpec, to_fhe_friendly
-from fedfm.pipeline import ApproxSettings, DistillRun, load_data, load_student, save_student
-from fedfm.training import predict
 
 TINY = [
     "--max-samples", "60",
@@ -130,7 +136,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> EndToEnd:
 
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fedfm.pipeline, "save_student", capture)
+        patch.setattr(fedfm.distillation.pipeline, "save_student", capture)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
     result = Result(code, out.getvalue(), err.getvalue())
@@ -473,7 +479,7 @@ def test_a_student_distilled_for_another_dataset_is_refused(
     e2e: EndToEnd, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The e2e work folder holds a digits student; asking it for SVHN names the mismatch."""
-    from fedfm.pipeline import obtain_student
+    from fedfm.distillation.pipeline import obtain_student
 
     run = DistillRun(dataset="svhn", workdir=e2e.workdir)
     with pytest.raises(ConfigError, match="distilled for dataset 'digits' on 'aux' data"):

@@ -23,7 +23,7 @@ import pytest
 from conftest import save_micro_student
 
 from fedfm.data import load_splits
-from fedfm.pipeline import load_data, load_student
+from fedfm.distillation.pipeline import load_data, load_student
 from fedfm.protocols.double_blind.runner import run_in_process
 from fedfm.protocols.double_blind.settings import app_settings
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-import fedfm.distill
+import fedfm.distillation.distill
 from fedfm.approx import ApproxConfig, calibrate
 from fedfm.approx.modules import calibrated_modules
 from fedfm.data import DataSplits, load_splits
-from fedfm.distill import (
+from fedfm.distillation.distill import (
     STATE_FORMAT,
     DistillConfig,
     calibration_batches,
@@ -28,10 +28,10 @@ from fedfm.distill import (
     prediction_loss,
     run_epoch,
 )
+from fedfm.distillation.training import PretrainConfig, pretrain, score
 from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models import FheViT, to_fhe_friendly
 from fedfm.models.foundation import read_checkpoint, save_checkpoint
-from fedfm.training import PretrainConfig, pretrain, score
 
 DEPTH = 2
 CONFIG = DistillConfig(epochs=4, batch_size=16, calibration_batches=4)
@@ -73,7 +73,8 @@ class Log:
 
 
 class InterruptAfterSaves:
-    """Stands in for ``save_checkpoint`` in ``fedfm.distill``: saves, then Ctrl-C after ``saves``.
+    """Stands in for ``save_checkpoint`` in ``fedfm.distillation.distill``: saves, then Ctrl-C
+    after ``saves``.
 
     Interrupting right after a save does not depend on where ``distill`` logs an epoch.
     """
@@ -320,7 +321,9 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(
 ) -> None:
     path = tmp_path / "distill-state.pt"
     with monkeypatch.context() as patch:
-        patch.setattr(fedfm.distill, "save_checkpoint", InterruptAfterSaves(finished_epochs))
+        patch.setattr(
+            fedfm.distillation.distill, "save_checkpoint", InterruptAfterSaves(finished_epochs)
+        )
         with pytest.raises(KeyboardInterrupt):
             run_distill(setup, new_student(setup), state_path=path)
     saved = read_checkpoint(path, expected_format=STATE_FORMAT)

@@ -2,11 +2,11 @@
 
 Every run here is the real protocol (server and client roles, ``simulate`` backend) in one process
 on 16x16 digits with a small FHE-friendly ViT (random weights, calibrated), two clients, batches of
-16. A :class:`~fedfm.attacks.CuriousClient` keeps what one client decrypts; the server's recorded
-permutations serve only as ground truth for measurement. Each attack reports a fit metric (R^2 on
-held-out samples, or the share of rows matched) and the tests assert it against a threshold in
-the direction the issue expects, including the two limitations of the seed's design that the
-measurements exposed (see ``docs/double_blind.md``).
+16. A :class:`~fedfm.experiments.attacks.CuriousClient` keeps what one client decrypts; the
+server's recorded permutations serve only as ground truth for measurement. Each attack reports a fit
+metric (R^2 on held-out samples, or the share of rows matched) and the tests assert it against a
+threshold in the direction the issue expects, including the two limitations of the seed's design
+that the measurements exposed (see ``docs/double_blind.md``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedfm import attacks
 from fedfm.approx.modules import calibrate
 from fedfm.approx.specs import ApproxConfig
 from fedfm.crypto import get_backend
 from fedfm.data import DataSplits, load_splits
+from fedfm.experiments import attacks
+from fedfm.experiments.observed import ObservedRun, run_observed
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import ModelSpec
-from fedfm.observed import ObservedRun, run_observed
 from fedfm.protocols.double_blind.client import ClientData
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.permutation import RoundPermutations, draw_round_permutations

@@ -31,9 +31,9 @@ from flwr.serverapp.strategy import FedAvg
 from fedfm.approx import calibrate
 from fedfm.crypto import SimulateBackend
 from fedfm.data import load_splits
+from fedfm.distillation.pipeline import ApproxSettings, load_data, load_student, save_student
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.models import ModelSpec, to_fhe_friendly
-from fedfm.pipeline import ApproxSettings, load_data, load_student, save_student
 from fedfm.protocols.double_blind import (
     ClientState,
     ClientUpdate,
@@ -51,7 +51,7 @@ from fedfm.protocols.double_blind.config import (
 )
 from fedfm.protocols.double_blind.runner import federation_data, run_in_process
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
-from fedfm.protocols.transport import Envelope, Failure
+from fedfm.runtime.transport import Envelope, Failure
 from fedfm.secagg import STAGES, SecAggConfig
 from fedfm.secagg import ClientUpdate as MaskedUpdate
 from fedfm.secagg import run_in_process as secure_aggregate

@@ -17,15 +17,21 @@ from sklearn.linear_model import Ridge
 
 from fedfm.cli import main as cli_main
 from fedfm.crypto.params import CKKS_8192, CkksParameters
+from fedfm.data.stdlib_text import Docstring, build_splits, stdlib_docstrings
 from fedfm.errors import ConfigError, CryptoParameterError, DataError, ModelError, ProtocolError
-from fedfm.helix import PROVIDER, client_role, fit_alignment, helix, open_report
-from fedfm.helix.ckks import ClientKeys, ProviderEvaluator
-from fedfm.helix.data import Docstring, build_splits, stdlib_docstrings
-from fedfm.helix.encoders import LsaEncoder, build_encoder
-from fedfm.helix.evaluation import PartyView, energy, evaluate_pair, membership_inference, ood_auroc
-from fedfm.helix.packing import FeatureMajor, ReplicatedRows, RowBlocks, inference_layout
-from fedfm.helix.protocol import DEFAULTS
-from fedfm.helix.ridge import AlignmentStatistics, fit_from_statistics
+from fedfm.experiments.helix_evaluation import (
+    PartyView,
+    energy,
+    evaluate_pair,
+    membership_inference,
+    ood_auroc,
+)
+from fedfm.models.text_encoders import LsaEncoder, build_encoder
+from fedfm.protocols.helix import PROVIDER, client_role, fit_alignment, helix, open_report
+from fedfm.protocols.helix.ckks import ClientKeys, ProviderEvaluator
+from fedfm.protocols.helix.packing import FeatureMajor, ReplicatedRows, RowBlocks, inference_layout
+from fedfm.protocols.helix.protocol import DEFAULTS
+from fedfm.protocols.helix.ridge import AlignmentStatistics, fit_from_statistics
 from fedfm.runtime import Protocol, RoleContext, Step, run_in_process
 from fedfm.runtime.settings import RUN_CONFIG_DEFAULTS
 

@@ -14,16 +14,16 @@ from conftest import save_micro_student
 
 from fedfm.cli import main
 from fedfm.data import DataSplits, load_splits
+from fedfm.distillation.pipeline import load_student
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.models.fhe_vit import FheViT
-from fedfm.paper import (
+from fedfm.experiments.paper import (
     adapter_test_accuracy,
     cell_file,
     load_table,
     run_efficiency_table,
     run_table,
 )
-from fedfm.pipeline import load_student
+from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 

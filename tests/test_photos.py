@@ -7,9 +7,9 @@ import torch
 
 from fedfm.data import IMAGENET_MEAN, IMAGENET_STD, load_splits
 from fedfm.data.photos import sample_photo_crops
+from fedfm.distillation.pipeline import DistillRun, distillation_data
 from fedfm.errors import ConfigError
 from fedfm.models.foundation import ModelSpec
-from fedfm.pipeline import DistillRun, distillation_data
 
 
 def test_photo_crops_are_normalised_seeded_and_varied() -> None:

@@ -13,6 +13,7 @@ from fedfm.approx import ApproxConfig, calibrate
 from fedfm.crypto import CKKS_8192, SimulateBackend, get_backend
 from fedfm.crypto.simulate import SimulatedEvaluator, SimulatedKeyOwner
 from fedfm.data import load_splits
+from fedfm.distillation.training import PretrainConfig, pretrain
 from fedfm.errors import (
     CheckpointError,
     ConfigError,
@@ -20,8 +21,8 @@ from fedfm.errors import (
     DataError,
     ProtocolError,
 )
+from fedfm.experiments.observed import run_observed
 from fedfm.models import ModelSpec, to_fhe_friendly
-from fedfm.observed import run_observed
 from fedfm.protocols.double_blind import (
     ClientData,
     ClientState,
@@ -40,7 +41,7 @@ from fedfm.protocols.double_blind.config import (
 )
 from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
-from fedfm.protocols.transport import Envelope
+from fedfm.runtime.transport import Envelope
 from fedfm.secagg import (
     ADVERTISE_KEYS,
     COLLECT_MASKED_INPUT,
@@ -52,7 +53,6 @@ from fedfm.secagg import (
     decode_reply,
 )
 from fedfm.secagg.layout import ArrayLayout
-from fedfm.training import PretrainConfig, pretrain
 
 IMAGE = 16
 BACKEND = SimulateBackend()

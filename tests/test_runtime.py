@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 
 from fedfm.cli import main as cli_main
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.protocols.transport import Envelope, Failure, Transport
+from fedfm.protocols.masked_sum import masked_sum
 from fedfm.runtime import (
     PRESETS,
     ChannelError,
@@ -46,7 +46,6 @@ from fedfm.runtime import (
     create_identity_file,
     fingerprint,
     format_pins,
-    masked_sum,
     node_settings,
     pack_arrays,
     parse_pins,
@@ -64,6 +63,7 @@ from fedfm.runtime.messages import (
     frames_to_arrays,
 )
 from fedfm.runtime.settings import RUN_CONFIG_DEFAULTS
+from fedfm.runtime.transport import Envelope, Failure, Transport
 from fedfm.secagg.channel import new_private_key, public_key_of
 from fedfm_clients.codec import to_array_record
 from fedfm_clients.masked_sum import app as masked_sum_client

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedfm.errors import ProtocolError
-from fedfm.protocols.transport import Envelope, Failure, Transport
+from fedfm.runtime.transport import Envelope, Failure, Transport
 from fedfm.secagg import ArrayLayout, SecAggConfig, SecAggServer, decode_reply
 
 

@@ -25,7 +25,6 @@ from fedfm.runtime.identity import (
     parse_pins,
 )
 from fedfm.runtime.local import InProcessFederation, LocalNode, run_in_process
-from fedfm.runtime.masked_sum import masked_sum
 from fedfm.runtime.network import PRESETS, EmulatedTransport, NetworkProfile
 from fedfm.runtime.node import NodeRuntime, NodeState
 from fedfm.runtime.orchestrator import RunResult, Traffic, run_protocol
@@ -62,7 +61,6 @@ __all__ = [
     "create_identity_file",
     "fingerprint",
     "format_pins",
-    "masked_sum",
     "node_settings",
     "pack_arrays",
     "parse_pins",

@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from fedfm.protocols.transport import Envelope, InProcessTransport, Transport
 from fedfm.runtime.identity import Identity
 from fedfm.runtime.node import NodeRuntime, NodeState
 from fedfm.runtime.orchestrator import RunResult, run_protocol
 from fedfm.runtime.protocol import Protocol
+from fedfm.runtime.transport import Envelope, InProcessTransport, Transport
 
 RoleInputs = Mapping[str, Mapping[str, np.ndarray]]
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from fedfm.errors import ProtocolError
-from fedfm.protocols.transport import ConfigValue
 from fedfm.runtime.identity import KeyBundle
+from fedfm.runtime.transport import ConfigValue
 
 HELLO = "query.runtime_hello"
 STEP = "query.runtime_step"

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fedfm.protocols.transport import (
+from fedfm.runtime.transport import (
     ClientHandler,
     Envelope,
     Failure,
@@ -57,7 +57,7 @@ PRESETS: dict[str, NetworkProfile] = {
 
 
 class EmulatedTransport:
-    """:class:`~fedfm.protocols.transport.InProcessTransport` plus simulated time per profile.
+    """:class:`~fedfm.runtime.transport.InProcessTransport` plus simulated time per profile.
 
     ``network_seconds[name]`` sums the links' time alone (deterministic: bytes and RTTs);
     ``projected_seconds[name]`` adds the nodes' measured compute time, per round trip the

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.protocols.transport import ConfigValue, Envelope
 from fedfm.runtime.channel import SESSION_BYTES, ChannelError, Channels, Pair
 from fedfm.runtime.identity import Identity, IdentityError, KeyBundle
 from fedfm.runtime.messages import (
@@ -39,6 +38,7 @@ from fedfm.runtime.messages import (
 )
 from fedfm.runtime.payload import pack_arrays, unpack_arrays
 from fedfm.runtime.protocol import Incoming, Protocol, RoleContext
+from fedfm.runtime.transport import ConfigValue, Envelope
 from fedfm.secagg.channel import new_private_key, public_key_of
 
 InputLoader = Callable[[str], Mapping[str, np.ndarray]]

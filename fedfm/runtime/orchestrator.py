@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from fedfm.errors import ProtocolError
-from fedfm.protocols.transport import ConfigValue, Envelope, Failure, Transport
 from fedfm.runtime.channel import SESSION_BYTES, ChannelError, Pair, read_header
 from fedfm.runtime.identity import KeyBundle, fingerprint
 from fedfm.runtime.messages import (
@@ -45,6 +44,7 @@ from fedfm.runtime.messages import (
     roster_to_config,
 )
 from fedfm.runtime.protocol import Protocol
+from fedfm.runtime.transport import ConfigValue, Envelope, Failure, Transport
 
 
 @dataclass

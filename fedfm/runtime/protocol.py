@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.protocols.transport import ConfigValue
 from fedfm.runtime.channel import Channels
+from fedfm.runtime.transport import ConfigValue
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from fedfm.errors import ConfigError
-from fedfm.protocols.transport import ConfigValue
 from fedfm.runtime.identity import Identity, parse_pins
 from fedfm.runtime.protocol import Protocol
+from fedfm.runtime.transport import ConfigValue
 
 ProtocolFactory = Callable[[Mapping[str, ConfigValue]], Protocol]
 

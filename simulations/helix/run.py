@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedfm.helix import PROVIDER, client_role, fit_alignment, open_report
+from fedfm.protocols.helix import PROVIDER, client_role, fit_alignment, open_report
 from fedfm.runtime import create_identity_file, format_pins
 from fedfm.runtime.settings import identity_file
 
@@ -79,8 +79,8 @@ def synthetic_inputs(clients: int, *, seed: int, public_size: int, queries: int)
 
 def real_inputs(clients: int, *, seed: int, public_size: int, queries: int) -> dict:
     """MiniLM for the provider, one LSA encoder per client (module docstring)."""
-    from fedfm.helix.data import build_splits
-    from fedfm.helix.evaluation import embed_party, train_head
+    from fedfm.data.stdlib_text import build_splits
+    from fedfm.experiments.helix_evaluation import embed_party, train_head
 
     per_class = -(-queries // 7)
     data = build_splits(

@@ -50,7 +50,7 @@ from fedfm.protocols.double_blind.messages import (
     unpack_arrays,
     unpack_batches,
 )
-from fedfm.protocols.transport import Envelope
+from fedfm.runtime.transport import Envelope
 from fedfm.secagg import ADVERTISE_KEYS, UNMASK, ClientSecAggState, decode_request
 from fedfm.secagg import ClientUpdate as MaskedUpdate
 from fedfm.secagg import handle as handle_secagg

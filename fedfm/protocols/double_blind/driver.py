@@ -1,4 +1,4 @@
-"""The round loop of double-blind adaptation over any :class:`~fedfm.protocols.transport.Transport`.
+"""The round loop of double-blind adaptation over any :class:`~fedfm.runtime.transport.Transport`.
 
 The same loop runs in-process (tests, benchmarks) and in a Flower ServerApp: setup once, then per
 round ``L + 1`` round trips to train (every client's messages go out together), with secure
@@ -30,7 +30,7 @@ from fedfm.protocols.double_blind.server import (
     balanced_accuracy,
 )
 from fedfm.protocols.secure_aggregation import run_secure_aggregation
-from fedfm.protocols.transport import Envelope, Failure, Transport
+from fedfm.runtime.transport import Envelope, Failure, Transport
 from fedfm.secagg import ArrayLayout, SecAggConfig
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from fedfm.crypto.backend import EncryptedBatch, ModelGeometry
 from fedfm.errors import ProtocolError
-from fedfm.protocols.transport import ConfigValue, Envelope
+from fedfm.runtime.transport import ConfigValue, Envelope
 
 Loader = Callable[[dict[str, np.ndarray]], EncryptedBatch]
 

@@ -1,7 +1,7 @@
 """Running double-blind adaptation in one process, without Flower or Ray.
 
 The same server and client roles as the Flower apps, wired through an
-:class:`~fedfm.protocols.transport.InProcessTransport`. Client data come from the clients' pool
+:class:`~fedfm.runtime.transport.InProcessTransport`. Client data come from the clients' pool
 of the dataset splits, partitioned with flwr-datasets partitioners.
 """
 
@@ -21,7 +21,7 @@ from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleB
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.driver import Aggregator, RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.server import DoubleBlindServer
-from fedfm.protocols.transport import Envelope, InProcessTransport
+from fedfm.runtime.transport import Envelope, InProcessTransport
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from fedfm.protocols.double_blind.permutation import (
     draw_round_permutations,
     relative,
 )
-from fedfm.protocols.transport import Envelope
+from fedfm.runtime.transport import Envelope
 
 
 @dataclass(frozen=True)

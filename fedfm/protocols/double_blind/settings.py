@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedfm.distill import DistillConfig
+from fedfm.distillation.distill import DistillConfig
+from fedfm.distillation.pipeline import DistillRun
+from fedfm.distillation.training import PretrainConfig
 from fedfm.errors import ConfigError
 from fedfm.models.foundation import DEFAULT_MODEL
-from fedfm.pipeline import DistillRun
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.runner import Federation
-from fedfm.training import PretrainConfig
 
 RunValue = int | float | str | bool
 

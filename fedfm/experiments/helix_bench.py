@@ -5,8 +5,8 @@ Both paths run through the fedfm runtime in this process, as whole protocol runs
 the client's queries through ``g_B`` and its map ``W*`` (itself learned first by an encrypted
 ``align`` run, timed and checked against the plaintext ridge solution):
 
-* **encrypted**: :func:`fedfm.helix.helix` in ``infer`` mode, fresh CKKS keys per run; one query
-  (``rows`` layout) and a batch (``features`` layout, up to N/2 queries per ciphertext);
+* **encrypted**: :func:`fedfm.protocols.helix.helix` in ``infer`` mode, fresh CKKS keys per run;
+  one query (``rows`` layout) and a batch (``features`` layout, up to N/2 queries per ciphertext);
 * **plaintext**: the same steps with ``z_B W* + b*`` sent in the clear to the provider (still
   sealed by the runtime's channel), logits sent back: what HELIX costs over no HE at all.
 
@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from fedfm.helix.ckks import ClientKeys
-from fedfm.helix.data import build_splits
-from fedfm.helix.evaluation import embed_party, train_head
-from fedfm.helix.packing import inference_layout
-from fedfm.helix.protocol import (
+from fedfm.data.stdlib_text import build_splits
+from fedfm.experiments.helix_evaluation import embed_party, train_head
+from fedfm.experiments.results import write_results
+from fedfm.protocols.helix.ckks import ClientKeys
+from fedfm.protocols.helix.packing import inference_layout
+from fedfm.protocols.helix.protocol import (
     MAP_BIAS,
     MAP_WEIGHT,
     PROVIDER,
@@ -41,10 +42,9 @@ from fedfm.helix.protocol import (
     helix,
     open_report,
 )
-from fedfm.helix.ridge import fit_alignment
-from fedfm.protocols.transport import ConfigValue
-from fedfm.results import write_results
+from fedfm.protocols.helix.ridge import fit_alignment
 from fedfm.runtime import Protocol, RoleContext, Step, run_in_process
+from fedfm.runtime.transport import ConfigValue
 
 CLIENT = client_role(0)
 

@@ -32,13 +32,13 @@ import torch
 
 from fedfm.approx.modules import calibrate
 from fedfm.approx.specs import ApproxConfig, GoldschmidtInverseSpec, taylor_exp
-from fedfm.distill import calibration_batches, layer_losses, run_epoch
+from fedfm.distillation.distill import calibration_batches, layer_losses, run_epoch
+from fedfm.distillation.pipeline import DistillRun, load_data, teacher_for
+from fedfm.distillation.training import batches, score
 from fedfm.errors import ConfigError
+from fedfm.experiments.results import write_results
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import ModelSpec
-from fedfm.pipeline import DistillRun, load_data, teacher_for
-from fedfm.results import write_results
-from fedfm.training import batches, score
 
 PAPER_VALUES = {"exp": [2, 4, 6, 8, 10, 16, None], "inverse": [2, 4, 6, 7, 8, 10, 12, 16, None]}
 BENCH_BATCH = 8

@@ -1,4 +1,4 @@
-"""Where HELIX puts numbers in CKKS slots (pure numpy; :mod:`fedfm.helix.ckks` encrypts them).
+"""Where HELIX puts numbers in CKKS slots (pure numpy; :mod:`~.ckks` encrypts them).
 
 A ciphertext has ``S = N/2`` slots (4,096 at N = 8192). Three layouts, each chosen so that the
 provider's work is plaintext multiply-accumulate plus, at most, rotations whose result holds only

@@ -22,13 +22,13 @@ import torch
 
 from fedfm.approx.modules import calibrate
 from fedfm.approx.specs import ApproxConfig
-from fedfm.distill import calibration_batches
+from fedfm.distillation.distill import calibration_batches
+from fedfm.distillation.pipeline import DistillRun, load_data
+from fedfm.distillation.training import check_batch_size
+from fedfm.experiments.results import write_results
+from fedfm.experiments.sweep import median_latency
 from fedfm.models.fhe_vit import to_fhe_friendly
 from fedfm.models.foundation import ModelSpec
-from fedfm.pipeline import DistillRun, load_data
-from fedfm.results import write_results
-from fedfm.sweep import median_latency
-from fedfm.training import check_batch_size
 
 
 def run_latency_benchmark(

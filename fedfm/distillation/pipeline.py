@@ -22,7 +22,8 @@ from fedfm.approx.modules import calibrated_modules, clamped_count, reset_clampe
 from fedfm.approx.specs import ApproxConfig
 from fedfm.data import DataSplits, load_splits
 from fedfm.data.photos import sample_photo_crops
-from fedfm.distill import DistillConfig, distill
+from fedfm.distillation.distill import DistillConfig, distill
+from fedfm.distillation.training import PretrainConfig, Scores, pretrain, score
 from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import (
@@ -35,7 +36,6 @@ from fedfm.models.foundation import (
     read_checkpoint,
     save_checkpoint,
 )
-from fedfm.training import PretrainConfig, Scores, pretrain, score
 
 STUDENT_FORMAT = "fedfm-student/1"
 

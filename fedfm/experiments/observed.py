@@ -4,8 +4,8 @@
 roles through an in-process transport; this module does the same but lets callers watch each
 client's traffic (the request it received, its reply and its state afterwards) and records the
 permutations the server drew. Benchmarks use it to account message sizes; the extraction tests
-use it to take a curious client's view (:mod:`fedfm.attacks`). Nothing here changes what the
-roles do.
+use it to take a curious client's view (:mod:`fedfm.experiments.attacks`). Nothing here changes
+what the roles do.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.permutation import RoundPermutations
 from fedfm.protocols.double_blind.runner import StatefulClient
 from fedfm.protocols.double_blind.server import DoubleBlindServer
-from fedfm.protocols.transport import Envelope, InProcessTransport
+from fedfm.runtime.transport import Envelope, InProcessTransport
 
 # (node id, request the client received, its reply, its state after answering)
 Observer = Callable[[int, Envelope, Envelope, ClientState], None]

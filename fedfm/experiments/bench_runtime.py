@@ -28,18 +28,18 @@ from typing import Any
 import numpy as np
 
 from fedfm.errors import ProtocolError
-from fedfm.protocols.transport import Envelope, InProcessTransport
-from fedfm.results import write_results
+from fedfm.experiments.results import write_results
+from fedfm.protocols.masked_sum import masked_sum
 from fedfm.runtime import (
     PRESETS,
     Channels,
     EmulatedTransport,
     InProcessFederation,
-    masked_sum,
     pack_arrays,
     unpack_arrays,
 )
 from fedfm.runtime.messages import STEP, frames_from_arrays, frames_to_arrays
+from fedfm.runtime.transport import Envelope, InProcessTransport
 from fedfm.secagg.channel import new_private_key, public_key_of
 
 DEFAULT_SIZES = (1024, 64 * 1024, 1024**2, 16 * 1024**2)

@@ -1,15 +1,14 @@
 """The paper's tables (spec ``001`` §4, App. D, F): methods x federations x seeds, and costs.
 
-Tables 1-3 are data (``simulations/experiments/paper.toml``): the methods
-(:data:`fedfm.baselines.METHODS`), the federations (clients, partition, Dirichlet alpha, batch
-size, and which student: distilled on ``D_aux`` or on out-of-distribution photo crops), the
-seeds, the rounds and the learning-rate schedule; Table 2 also draws Figure 3
-(:func:`plot_figure3`). Table 4 (:func:`run_efficiency_table`) times one training step per
-method. :func:`run_table` runs every *cell* (one
-method on one federation with one seed) through :func:`fedfm.baselines.run_adaptation`, keeps
-each finished cell as a JSON file in the work folder (a re-run skips those: an interrupted table
-resumes cell by cell), then writes ``results/paper_<table>.{json,md}`` with the mean and standard
-deviation over the seeds.
+Tables 1-3 are data (``fedfm/experiments/paper.toml``): the methods
+(:data:`fedfm.experiments.baselines.METHODS`), the federations (clients, partition, Dirichlet
+alpha, batch size, and which student: distilled on ``D_aux`` or on out-of-distribution photo crops),
+the seeds, the rounds and the learning-rate schedule; Table 2 also draws Figure 3
+(:func:`plot_figure3`). Table 4 (:func:`run_efficiency_table`) times one training step per method.
+:func:`run_table` runs every *cell* (one method on one federation with one seed) through
+:func:`fedfm.experiments.baselines.run_adaptation`, keeps each finished cell as a JSON file in the
+work folder (a re-run skips those: an interrupted table resumes cell by cell), then writes
+``results/paper_<table>.{json,md}`` with the mean and standard deviation over the seeds.
 
 **Metric.** Balanced accuracy (the paper's) on the held-out *test set* (359 digits by default),
 computed after the last round in plaintext with the final global model: for ours and linear
@@ -35,6 +34,7 @@ import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +42,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfm.baselines import (
+from fedfm.data import DataSplits, ImageDataset
+from fedfm.errors import ConfigError
+from fedfm.experiments.baselines import (
     FineTuneConfig,
     check_method,
     finetune_model,
     run_adaptation,
     run_full_finetune,
 )
-from fedfm.data import DataSplits, ImageDataset
-from fedfm.errors import ConfigError
+from fedfm.experiments.results import json_safe, write_results
+from fedfm.experiments.sweep import median_latency, saved_tensor_bytes
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
@@ -61,11 +63,10 @@ from fedfm.protocols.double_blind.config import (
 from fedfm.protocols.double_blind.driver import load_state
 from fedfm.protocols.double_blind.runner import Federation
 from fedfm.protocols.double_blind.server import balanced_accuracy
-from fedfm.results import json_safe, write_results
-from fedfm.sweep import median_latency, saved_tensor_bytes
 
 METHODS_IN_TABLE_ORDER = ("linear-probe", "full-finetune", "ours")  # the paper's row order
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "simulations" / "experiments" / "paper.toml"
+# Packaged with the library (importlib.resources), so a non-editable install finds it too.
+DEFAULT_CONFIG = "paper.toml"
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class Setting:
     partition: str
     alpha: float = 1.0
     batch_size: int = 16  # the paper's Table 3 uses 8 (below App. C's minimum of 16)
-    distill_data: str = "aux"  # the student distilled on this (fedfm.pipeline.DISTILL_DATA)
+    distill_data: str = (
+        "aux"  # the student distilled on this (fedfm.distillation.pipeline.DISTILL_DATA)
+    )
 
     def federation(self, seed: int) -> Federation:
         return Federation(
@@ -109,16 +112,16 @@ def load_table(
 ) -> TableSpec:
     """Table ``name`` of the TOML file ``path`` (default :data:`DEFAULT_CONFIG`; its
     ``[defaults]`` fill what a table omits)."""
-    path = DEFAULT_CONFIG if path is None else path
+    source = resources.files("fedfm.experiments") / DEFAULT_CONFIG if path is None else path
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(source.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"no experiment config at {path}") from None
+        raise ConfigError(f"no experiment config at {source}") from None
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+        raise ConfigError(f"{source} is not valid TOML: {error}") from None
     tables = {key: value for key, value in data.items() if key != "defaults"}
     if name not in tables:
-        raise ConfigError(f"{path} has no table {name!r}; it has {sorted(tables)}")
+        raise ConfigError(f"{source} has no table {name!r}; it has {sorted(tables)}")
     values = {**data.get("defaults", {}), **tables[name]}
     try:
         settings = tuple(Setting(**entry) for entry in values["settings"])
@@ -133,7 +136,7 @@ def load_table(
             figure_setting=str(values.get("figure3", "")),
         )
     except (KeyError, TypeError) as error:
-        raise ConfigError(f"table {name!r} in {path}: missing or bad key ({error})") from None
+        raise ConfigError(f"table {name!r} in {source}: missing or bad key ({error})") from None
     for method in spec.methods:
         check_method(method)
     if spec.figure_setting and spec.figure_setting not in {s.label for s in settings}:

@@ -38,7 +38,7 @@ from fedfm.crypto.ckks import (
 from fedfm.crypto.params import CKKS_8192, CkksParameters
 from fedfm.crypto.seal_raw import SealIO
 from fedfm.errors import ConfigError, CryptoParameterError, ProtocolError
-from fedfm.helix.packing import FeatureMajor, ReplicatedRows, RowBlocks
+from fedfm.protocols.helix.packing import FeatureMajor, ReplicatedRows, RowBlocks
 
 Payload = dict[str, np.ndarray]
 CIRCUIT_DEPTH = 1  # one ciphertext-plaintext multiplication, then one rescale

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.protocols.transport import ConfigValue
 from fedfm.runtime.protocol import Protocol, RoleContext, Step
+from fedfm.runtime.transport import ConfigValue
 
 ALICE, BOB, CAROL = "alice", "bob", "carol"
 PAD, ORDER = "pad", "order"  # purposes of the shared randomness

@@ -2,7 +2,7 @@
 
 ``fedfm bench-protocol`` (:func:`run_protocol_benchmark`) runs ours and linear probing in the same
 harness (the in-process protocol, ``simulate`` backend, same config except the adapter rank) and
-full fine-tuning with plain FedAvg through :mod:`fedfm.baselines`, and writes
+full fine-tuning with plain FedAvg through :mod:`fedfm.experiments.baselines`, and writes
 ``results/double_blind_round.{json,md}``: wall time per FL round (median over rounds), its ratio
 ours / linear probing (paper Table 4: x1.04), round trips per round, bytes of block outputs per
 sample per block (ciphertext sizes as the ``simulate`` backend accounts them), trainable
@@ -10,7 +10,7 @@ parameters and final balanced accuracy.
 
 ``fedfm bench-extraction`` (:func:`run_extraction_benchmark`) runs the protocol with every client
 curious (permutations on, and off as a control) and writes ``results/extraction.{json,md}`` with
-the fit metrics of the attacks in :mod:`fedfm.attacks`.
+the fit metrics of the attacks in :mod:`fedfm.experiments.attacks`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfm import attacks
-from fedfm.baselines import (
+from fedfm.crypto import CryptoBackend, get_backend
+from fedfm.crypto.params import CKKS_8192
+from fedfm.distillation.pipeline import DistillRun, load_data, obtain_student
+from fedfm.errors import ConfigError
+from fedfm.experiments import attacks
+from fedfm.experiments.baselines import (
     FineTuneConfig,
     finetune_model,
     protocol_trainable_parameters,
@@ -35,12 +39,9 @@ from fedfm.baselines import (
     run_full_finetune,
     trainable_parameters,
 )
-from fedfm.crypto import CryptoBackend, get_backend
-from fedfm.crypto.params import CKKS_8192
-from fedfm.errors import ConfigError
+from fedfm.experiments.observed import BlockTraffic, DrawnBatches, ObservedRun, run_observed
+from fedfm.experiments.results import write_results
 from fedfm.models.fhe_vit import FheViT
-from fedfm.observed import BlockTraffic, DrawnBatches, ObservedRun, run_observed
-from fedfm.pipeline import DistillRun, load_data, obtain_student
 from fedfm.protocols.double_blind.client import ClientData
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -50,7 +51,6 @@ from fedfm.protocols.double_blind.config import (
 )
 from fedfm.protocols.double_blind.driver import RoundRecord
 from fedfm.protocols.double_blind.runner import Federation, federation_data
-from fedfm.results import write_results
 
 PAPER_TABLE4_RATIO = 1.04
 

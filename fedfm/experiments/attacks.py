@@ -8,10 +8,11 @@ knows its own images, and which of them an evaluation batch holds: the server se
 held-out sample once, in batches ``np.array_split(arange(N_eval), N_eval // n)`` (only the order
 within a batch is hidden, by ``pi_l``).
 
-:class:`CuriousClient` collects that view from a run (:func:`fedfm.observed.run_observed`). The
-attacks fit what the client could learn about the server's model and report the coefficient of
-determination ``R^2 = 1 - SSE / SST`` on held-out samples, with ``SST`` taken around the per-token
-means of the fitting data (so the position embeddings alone score 0):
+:class:`CuriousClient` collects that view from a run
+(:func:`fedfm.experiments.observed.run_observed`). The attacks fit what the client could learn about
+the server's model and report the coefficient of determination ``R^2 = 1 - SSE / SST`` on held-out
+samples, with ``SST`` taken around the per-token means of the fitting data (so the position
+embeddings alone score 0):
 
 (a) :func:`embedding_block1_attack`: the embedding plus block 1, ``x -> b_1``, by ridge regression
     from each image patch to its token of ``b_1`` (one map shared by all tokens plus per-token
@@ -49,12 +50,12 @@ from scipy.optimize import linear_sum_assignment
 
 from fedfm.crypto.backend import CryptoBackend
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.observed import BLOCK_MESSAGES, DrawnBatches
+from fedfm.experiments.observed import BLOCK_MESSAGES, DrawnBatches
 from fedfm.protocols.double_blind.client import ClientData, ClientState
 from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_SECAGG
 from fedfm.protocols.double_blind.messages import unpack_batches
 from fedfm.protocols.double_blind.permutation import relative
-from fedfm.protocols.transport import Envelope
+from fedfm.runtime.transport import Envelope
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from fedfm.protocols.double_blind.config import DoubleBlindConfig, revealed_bloc
 from fedfm.protocols.double_blind.driver import RoundRecord, RunState, load_state, save_state
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.server import balanced_accuracy
-from fedfm.protocols.transport import InProcessTransport
+from fedfm.runtime.transport import InProcessTransport
 
 METHODS: tuple[str, ...] = ("ours", "linear-probe", "full-finetune")
 DEFAULT_FINETUNE_LR = 0.0025

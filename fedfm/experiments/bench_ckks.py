@@ -30,11 +30,11 @@ from fedfm.crypto import get_backend
 from fedfm.crypto.backend import drive
 from fedfm.crypto.ckks import CkksBackend
 from fedfm.crypto.workers import WorkerPool, shared_pool
+from fedfm.distillation.pipeline import DistillRun, load_data, load_student
 from fedfm.errors import ConfigError
+from fedfm.experiments.results import write_results
 from fedfm.models.fhe_vit import FheViT
-from fedfm.pipeline import DistillRun, load_data, load_student
 from fedfm.protocols.double_blind.server import model_geometry
-from fedfm.results import write_results
 
 # Round-trip times to project a block's wall time onto a transport: Flower simulation (about
 # 0.1 s) and the Deployment Engine (6-10 s measured; 8 s here).

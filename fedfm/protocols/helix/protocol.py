@@ -12,7 +12,7 @@ step                roles      what happens
 ``upload``          clients    fresh alignment keys; ``E(Z_B)`` in row blocks and the public
                                context (one Galois key) to the provider           (align)
 ``cross_covariance`` provider  ``E(Z_A^T Z_B)`` and ``1^T Z_A`` back                  (align)
-``solve``           clients    decrypt, ``W*, b*`` by ridge (:mod:`fedfm.helix.ridge`)   (align)
+``solve``           clients    decrypt, ``W*, b*`` by ridge (:mod:`~.ridge`)        (align)
 ``query``           clients    fresh inference keys; ``E(z_B W* + b*)`` (Sec. 4.5) or, with
                                ``alignment = "provider"`` (App. G.7), ``E(z_B)`` plus
                                ``W*, b*`` for the provider                          (infer)
@@ -32,9 +32,9 @@ its operator can read them from the run's result and the relay cannot (:func:`op
 
 Run config keys: ``clients`` (1), ``mode`` (``align-infer``), ``ridge`` (lambda, 0.1),
 ``alignment`` (``client`` or ``provider``), ``packing`` (``auto``, ``features``, ``rows``; see
-:func:`fedfm.helix.packing.inference_layout`). None of them weakens a party's privacy except
-``alignment = "provider"``, which hands the provider ``W*`` (App. G.7's trade-off) and which a
-client refuses unless its own input ``allow_provider_alignment`` is set.
+:func:`fedfm.protocols.helix.packing.inference_layout`). None of them weakens a party's privacy
+except ``alignment = "provider"``, which hands the provider ``W*`` (App. G.7's trade-off) and which
+a client refuses unless its own input ``allow_provider_alignment`` is set.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ import numpy as np
 
 from fedfm.crypto.params import CKKS_8192, CkksParameters
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.helix.ckks import ClientKeys, Payload, ProviderEvaluator, check_parameters
-from fedfm.helix.packing import (
+from fedfm.protocols.helix.ckks import ClientKeys, Payload, ProviderEvaluator, check_parameters
+from fedfm.protocols.helix.packing import (
     LAYOUT_CODES,
     FeatureMajor,
     InferenceLayout,
@@ -56,7 +56,7 @@ from fedfm.helix.packing import (
     inference_layout,
     layout_from_code,
 )
-from fedfm.helix.ridge import (
+from fedfm.protocols.helix.ridge import (
     AffineMap,
     AlignmentStatistics,
     check_embeddings,
@@ -64,9 +64,9 @@ from fedfm.helix.ridge import (
     fit_from_statistics,
     minimum_public_samples,
 )
-from fedfm.protocols.transport import ConfigValue
 from fedfm.runtime.payload import pack_arrays, unpack_arrays
 from fedfm.runtime.protocol import Protocol, RoleContext, Step
+from fedfm.runtime.transport import ConfigValue
 from fedfm.secagg.channel import KEY_BYTES, open_sealed, seal
 
 PROVIDER = "provider"

@@ -15,8 +15,8 @@ For a pair of encoders (provider ``g_A``, client ``g_B``), each fitted on its ow
   samples that include (IN) or exclude (OUT) one target sample, geometric features of each
   ``(W*, b*)``, a logistic regression with 5-fold stratified cross-validation; chance is 0.5.
 
-Every map here is :func:`fedfm.helix.ridge.fit_alignment`, the function the encrypted protocol
-reproduces (``tests/test_helix.py`` checks they agree), so the metrics are the protocol's.
+Every map here is :func:`fedfm.protocols.helix.ridge.fit_alignment`, the function the encrypted
+protocol reproduces (``tests/test_helix.py`` checks they agree), so the metrics are the protocol's.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from sklearn.model_selection import StratifiedKFold, cross_val_score
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from fedfm.data.stdlib_text import HelixData, build_splits
 from fedfm.errors import DataError
-from fedfm.helix.data import HelixData, build_splits
-from fedfm.helix.encoders import TextEncoder, build_encoder
-from fedfm.helix.ridge import AffineMap, fit_alignment
-from fedfm.results import write_results
+from fedfm.experiments.results import write_results
+from fedfm.models.text_encoders import TextEncoder, build_encoder
+from fedfm.protocols.helix.ridge import AffineMap, fit_alignment
 
 FEW_SHOT = (64, 128)
 HEAD_C = 10.0  # inverse regularisation of the provider's logistic-regression head

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fedfm.approx.modules import calibrate, clamped_count, reset_clamped
+from fedfm.distillation.training import batches, check_batch_size
 from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models.fhe_vit import FheViT, Intermediates
 from fedfm.models.foundation import load_state_strict, read_checkpoint, save_checkpoint
-from fedfm.training import batches, check_batch_size
 
 STATE_FORMAT = "fedfm-distill-state/1"
 
