@@ -1,9 +1,10 @@
 """The data owner's role of double-blind adaptation as a Flower ``ClientApp``.
 
 Every protocol message (``query.setup``, ``train.block``, ``train.loss``, ``train.secagg``,
-``evaluate.block``, ``query.refresh``) goes to :func:`handle`: decode the message into an
-envelope, restore the client's state from ``context.state``, let
-:class:`~fedfm.protocols.double_blind.DoubleBlindClient` answer, save the new state and reply.
+``evaluate.block``, ``query.refresh``) goes through the one ClientApp factory
+(:func:`fedfm.flower.apps.make_client_app`): decode the message into an envelope, restore the
+client's state from ``context.state``, let :class:`~fedfm.protocols.double_blind.DoubleBlindClient`
+answer, save the new state and reply.
 The secret key is part of that state and never leaves ``context.state``; so are, between the
 SecAgg stages, the client's update and its SecAgg secrets. A message the protocol refuses gets an
 error reply and leaves ``context.state`` as it was.
@@ -16,16 +17,14 @@ sets both) of the clients' pool, split exactly as the in-process runner splits i
 from __future__ import annotations
 
 import functools
-from logging import WARNING
 
-from flwr.app import Context, Error, Message, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.common import log
-from flwr.common.constant import ErrorCode
+from flwr.app import Context, RecordDict
 
 from fedfm.crypto import get_backend
 from fedfm.distillation.pipeline import DistillRun, load_data
-from fedfm.errors import ConfigError, FedfmError
+from fedfm.errors import ConfigError
+from fedfm.flower import codec
+from fedfm.flower.apps import make_client_app
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -38,38 +37,8 @@ from fedfm.protocols.double_blind.config import (
 )
 from fedfm.protocols.double_blind.runner import Federation, federation_data
 from fedfm.protocols.double_blind.settings import app_settings
-from fedfm_clients.codec import (
-    envelope_to_reply,
-    load_records,
-    message_to_envelope,
-    save_records,
-)
 
-STATE_RECORDS = ("fedfm.double_blind.arrays", "fedfm.double_blind.state")  # arrays, config
-_SCALARS = ("stage", "round", "block")
-
-
-def save_state(state: ClientState, record_dict: RecordDict) -> None:
-    """Write ``state`` into ``record_dict`` (a ``context.state``), replacing the previous one."""
-    config = {name: getattr(state, name) for name in _SCALARS}
-    config.update({f"config.{key}": value for key, value in state.config.items()})
-    save_records(record_dict, STATE_RECORDS, state.arrays, config)
-
-
-def load_state(record_dict: RecordDict) -> ClientState:
-    """The state saved by :func:`save_state`; a new client's state if there is none."""
-    records = load_records(record_dict, STATE_RECORDS)
-    if records is None:
-        return ClientState()
-    arrays, config = records
-    prefix = "config."
-    return ClientState(
-        stage=str(config["stage"]),
-        round=int(config["round"]),
-        block=int(config["block"]),
-        config={k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)},
-        arrays=arrays,
-    )
+STATE_NAME = "fedfm.double_blind"  # context.state records <STATE_NAME>.arrays and .state
 
 
 @functools.lru_cache(maxsize=2)
@@ -107,22 +76,19 @@ def client_role(context: Context) -> DoubleBlindClient:
     )
 
 
-def handle(message: Message, context: Context) -> Message:
-    """Answer one protocol message; a refused message gets an error reply, state untouched."""
-    try:
-        envelope = message_to_envelope(message, message.metadata.dst_node_id)
-        reply, state = client_role(context).handle(envelope, load_state(context.state))
-        answer = envelope_to_reply(reply, message)
-    except FedfmError as error:
-        reason = f"{type(error).__name__}: {error}"
-        log(WARNING, "[fedfm] refused %s: %s", message.metadata.message_type, reason)
-        return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
-    save_state(state, context.state)
-    return answer
+def save_state(state: ClientState, record_dict: RecordDict) -> None:
+    """Write a client's ``state`` into ``record_dict`` (a ``context.state``), as the app does."""
+    codec.save_state(state, record_dict, codec.state_records(STATE_NAME))
 
 
-app = ClientApp()
-_REGISTER = {"train": app.train, "evaluate": app.evaluate, "query": app.query}
-for _message_type in (SETUP, TRAIN_BLOCK, TRAIN_LOSS, TRAIN_SECAGG, EVALUATE_BLOCK, REFRESH):
-    _category, _action = _message_type.split(".")
-    _REGISTER[_category](_action)(handle)
+def load_state(record_dict: RecordDict) -> ClientState:
+    """The state the app keeps in ``record_dict``; a new client's state if there is none."""
+    return codec.load_state(ClientState, record_dict, codec.state_records(STATE_NAME))
+
+
+app = make_client_app(
+    client_role,
+    ClientState,
+    message_types=(SETUP, TRAIN_BLOCK, TRAIN_LOSS, TRAIN_SECAGG, EVALUATE_BLOCK, REFRESH),
+    state_name=STATE_NAME,
+)

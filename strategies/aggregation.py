@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from importlib.metadata import version as flwr_version
 from typing import NoReturn
 
 import numpy as np
@@ -35,9 +36,9 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.flower.codec import from_array_record, to_array_record
 from fedfm.protocols.double_blind import SecureAggregate
 from fedfm.protocols.double_blind.server import ClientUpdate
-from fedfm_clients.codec import from_array_record, to_array_record
 
 # The sender of a secure aggregate's train reply: no single node (Flower's node ids are positive).
 AGGREGATE_NODE_ID = 0
@@ -101,6 +102,23 @@ class NodeListGrid(Grid):
         self._refuse()
 
 
+# The Flower versions whose internal ``TaskIdentity`` the shim below was checked against (its
+# class attributes and the RuntimeError it raises when unset are not public API).
+TASK_IDENTITY_CHECKED = ("1.41.",)
+
+
+def _check_task_identity_shim() -> None:
+    """Refuse to patch a Flower internal this shim was not checked against."""
+    installed = flwr_version("flwr")
+    if not installed.startswith(TASK_IDENTITY_CHECKED):
+        raise ConfigError(
+            f"fedfm's strategy adapter lends Flower's internal TaskIdentity outside a runtime and "
+            f"was checked with flwr {', '.join(v + 'x' for v in TASK_IDENTITY_CHECKED)}; flwr "
+            f"{installed} is installed: install a checked version (pyproject.toml pins one) or "
+            "check flwr.supercore.task_identity and extend TASK_IDENTITY_CHECKED"
+        )
+
+
 @contextmanager
 def task_identity() -> Iterator[None]:
     """Let Flower build messages here, also outside a Flower runtime.
@@ -109,6 +127,7 @@ def task_identity() -> Iterator[None]:
     only its runtimes set; strategies build such messages in ``configure_train``. Outside a
     runtime (the in-process runner, tests) this lends a placeholder identity for the duration.
     """
+    _check_task_identity_shim()
     try:
         TaskIdentity.run_id  # noqa: B018  # raises when no runtime has set the identity
     except RuntimeError:

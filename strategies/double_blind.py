@@ -13,27 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from logging import INFO
 
-from flwr.app import Context
-from flwr.common import log as flwr_log
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 
 from fedfm.crypto import get_backend
 from fedfm.distillation.pipeline import load_data, obtain_student
+from fedfm.flower.apps import log_info, make_server_app
+from fedfm.flower.transport import FlowerTransport, wait_for_nodes
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.protocols.double_blind.settings import app_settings
 from fedfm_strategies.aggregation import StrategyAggregator, make_strategy
-from fedfm_strategies.transport import FlowerTransport, wait_for_nodes
-
-
-def _log(line: str) -> None:
-    flwr_log(INFO, line)
 
 
 def run_adaptation(
-    grid: Grid, run_config: Mapping[str, object], *, log: Callable[[str], None] = _log
+    grid: Grid, run_config: Mapping[str, object], *, log: Callable[[str], None] = log_info
 ) -> list[RoundRecord]:
     """Run double-blind adaptation with the nodes of ``grid``; return the per-round history."""
     settings = app_settings(run_config)
@@ -74,10 +68,4 @@ def run_adaptation(
     )
 
 
-app = ServerApp()
-
-
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    """The ServerApp's entry point."""
-    run_adaptation(grid, context.run_config)
+app = make_server_app(run_adaptation)

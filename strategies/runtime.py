@@ -10,12 +10,12 @@ plus the protocol's own.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from logging import INFO
 
-from flwr.app import Context
-from flwr.common import log as flwr_log
 from flwr.serverapp import Grid, ServerApp
 
+from fedfm.flower.apps import log_info
+from fedfm.flower.apps import make_server_app as make_app
+from fedfm.flower.transport import FlowerTransport, wait_for_nodes
 from fedfm.runtime import (
     ProtocolFactory,
     RunResult,
@@ -24,11 +24,6 @@ from fedfm.runtime import (
     split_run_config,
 )
 from fedfm.runtime.transport import ConfigValue
-from fedfm_strategies.transport import FlowerTransport, wait_for_nodes
-
-
-def _log(line: str) -> None:
-    flwr_log(INFO, line)
 
 
 def run_on_grid(
@@ -36,7 +31,7 @@ def run_on_grid(
     build_protocol: ProtocolFactory,
     run_config: Mapping[str, ConfigValue],
     *,
-    log: Callable[[str], None] = _log,
+    log: Callable[[str], None] = log_info,
 ) -> RunResult:
     """Run the protocol the run config describes with the nodes of ``grid``."""
     _, protocol_config = split_run_config(run_config)
@@ -58,10 +53,4 @@ def run_on_grid(
 
 def make_server_app(build_protocol: ProtocolFactory) -> ServerApp:
     """A ServerApp relaying the protocol ``build_protocol`` makes from the run config."""
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        run_on_grid(grid, build_protocol, context.run_config)
-
-    return app
+    return make_app(lambda grid, run_config: run_on_grid(grid, build_protocol, run_config))

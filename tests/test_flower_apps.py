@@ -33,6 +33,8 @@ from fedfm.crypto import SimulateBackend
 from fedfm.data import load_splits
 from fedfm.distillation.pipeline import ApproxSettings, load_data, load_student, save_student
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.flower.codec import envelope_to_message, envelope_to_reply, message_to_envelope
+from fedfm.flower.transport import FlowerTransport
 from fedfm.models import ModelSpec, to_fhe_friendly
 from fedfm.protocols.double_blind import (
     ClientState,
@@ -55,7 +57,6 @@ from fedfm.runtime.transport import Envelope, Failure
 from fedfm.secagg import STAGES, SecAggConfig
 from fedfm.secagg import ClientUpdate as MaskedUpdate
 from fedfm.secagg import run_in_process as secure_aggregate
-from fedfm_clients.codec import envelope_to_message, envelope_to_reply, message_to_envelope
 from fedfm_clients.double_blind import app as client_app
 from fedfm_clients.double_blind import client_role, load_state, save_state
 from fedfm_strategies.aggregation import (
@@ -65,7 +66,6 @@ from fedfm_strategies.aggregation import (
     task_identity,
 )
 from fedfm_strategies.double_blind import run_adaptation
-from fedfm_strategies.transport import FlowerTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "simulations" / "double_blind"

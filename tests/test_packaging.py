@@ -1,18 +1,98 @@
-"""Packaging and layout contracts: what `pip install` ships and which way imports point."""
+"""Packaging and layout contracts: what `pip install` ships and which way imports point.
+
+The library's floors, bottom up (``docs/architecture.md`` draws them): a module may import its
+own package and the floors below it, never a floor above or another package of its own floor.
+Imports inside functions count: a cycle held together by a late import is still a cycle.
+"""
 
 from __future__ import annotations
 
 import ast
 import tomllib
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Flower's app layer belongs in the adapters (strategies/, clients/), never in the library.
+ADAPTERS = {"fedfm_strategies": "strategies", "fedfm_clients": "clients"}
+# Flower's app layer: only fedfm.flower (the adapters' seam) and the adapters import it.
 FLOWER_APP_LAYER = ("flwr.serverapp", "flwr.clientapp", "flwr.app")
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("fedfm.errors", "fedfm.hub"),
+    ("fedfm.approx", "fedfm.data"),
+    ("fedfm.models",),
+    ("fedfm.crypto", "fedfm.secagg"),
+    ("fedfm.runtime",),
+    ("fedfm.protocols", "fedfm.distillation"),
+    ("fedfm.flower",),
+    ("fedfm.experiments",),
+    ("fedfm.cli",),
+)
+ROOT_MODULE_LIMIT = 4  # modules at the root of fedfm/ besides __init__.py
 
 
 def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@cache
+def _modules() -> dict[str, Path]:
+    """Every module of the library and the adapters, by its import name."""
+    folders = {"fedfm": "fedfm", **ADAPTERS}
+    found = {}
+    for name, folder in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _imported_names(module: str, path: Path) -> set[str]:
+    """Every name ``module`` imports, anywhere in it (module level or inside functions)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                package = module.split(".")
+                if path.name != "__init__.py":
+                    package.pop()
+                base = ".".join(package[: len(package) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            names.add(source)
+            names.update(f"{source}.{alias.name}" for alias in node.names)
+    return names
+
+
+@cache
+def _graph() -> dict[str, set[str]]:
+    """Module -> the modules of the library and adapters it imports."""
+    modules = _modules()
+    return {
+        module: {name for name in _imported_names(module, path) if name in modules} - {module}
+        for module, path in modules.items()
+    }
+
+
+def _package(module: str) -> str:
+    """The floor package a module belongs to (``fedfm.crypto.ckks`` -> ``fedfm.crypto``)."""
+    for floor in FLOORS:
+        for package in floor:
+            if module == package or module.startswith(package + "."):
+                return package
+    return module
+
+
+def _floor(module: str) -> int:
+    package = _package(module)
+    for index, floor in enumerate(FLOORS):
+        if package in floor:
+            return index
+    raise AssertionError(f"{module} is on no floor: add its package to FLOORS")
 
 
 def test_every_package_folder_is_listed_for_installation() -> None:
@@ -27,27 +107,122 @@ def test_every_package_folder_is_listed_for_installation() -> None:
     assert found == listed
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
 
 
-def test_library_does_not_import_flower_app_layer_or_adapters() -> None:
+def test_every_library_module_is_on_a_floor_and_imports_only_downwards() -> None:
     offenders = []
-    for path in (ROOT / "fedfm").rglob("*.py"):
-        for name in _imports(path):
-            if name.startswith(FLOWER_APP_LAYER) or name.split(".")[0] in {
-                "fedfm_strategies",
-                "fedfm_clients",
-            }:
-                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    for module, targets in _graph().items():
+        if not module.startswith("fedfm."):
+            continue
+        for target in targets:
+            if target.split(".")[0] != "fedfm" or target == "fedfm":
+                continue
+            same_package = _package(module) == _package(target)
+            if not same_package and _floor(target) >= _floor(module):
+                offenders.append(f"{module} imports {target}")
     assert offenders == []
+
+
+def test_protocols_stay_apart_and_never_import_distillation() -> None:
+    offenders = []
+    for module, targets in _graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["fedfm", "protocols"] or len(parts) < 3:
+            continue
+        for target in targets:
+            target_parts = target.split(".")
+            if target_parts[:2] == ["fedfm", "distillation"]:
+                offenders.append(f"{module} imports {target}")
+            # another protocol's package; the shared modules at the protocols root are fine
+            other_protocol = (
+                target_parts[:2] == ["fedfm", "protocols"]
+                and len(target_parts) > 2
+                and (ROOT / Path(*target_parts[:3])).is_dir()
+                and target_parts[2] != parts[2]
+            )
+            if other_protocol:
+                offenders.append(f"{module} imports {target}")
+    assert offenders == []
+
+
+def test_only_the_flower_seam_imports_flowers_app_layer_and_nothing_imports_the_adapters() -> None:
+    offenders = []
+    for module, path in _modules().items():
+        if not module.startswith("fedfm.") or module.startswith("fedfm.flower"):
+            continue
+        for name in _imported_names(module, path):
+            if name.startswith(FLOWER_APP_LAYER) or name.split(".")[0] in ADAPTERS:
+                offenders.append(f"{module} imports {name}")
+    assert offenders == []
+
+
+def test_the_adapters_never_import_each_other() -> None:
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if module.split(".")[0] in ADAPTERS
+        and target.split(".")[0] in ADAPTERS
+        and target.split(".")[0] != module.split(".")[0]
+    ]
+    assert offenders == []
+
+
+def test_the_library_never_imports_the_harness() -> None:
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if target.startswith("fedfm.experiments")
+        and not module.startswith(("fedfm.experiments", "fedfm.cli"))
+    ]
+    assert offenders == []
+
+
+def test_the_root_of_the_library_keeps_few_modules() -> None:
+    root_modules = sorted(p.name for p in (ROOT / "fedfm").glob("*.py") if p.name != "__init__.py")
+    assert len(root_modules) <= ROOT_MODULE_LIMIT, root_modules
+
+
+def test_the_contracts_see_what_they_check(tmp_path: Path) -> None:
+    """The checks above would pass on an empty graph: make sure they read real imports."""
+    graph = _graph()
+    assert "fedfm.errors" in graph["fedfm.crypto.backend"]
+    assert "fedfm.flower.codec" in graph["fedfm_clients.double_blind"]
+    assert any(t.startswith("fedfm.experiments") for t in graph["fedfm.cli"])
+    # late (function-level) and relative imports are seen too
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from fedfm.crypto.refresh import RefreshClient\n")
+    assert "fedfm.crypto.refresh" in _imported_names("x", probe)
+    probe.write_text("from .refresh import RefreshClient\n")
+    assert "fedfm.crypto.refresh" in _imported_names("fedfm.crypto.circuit", probe)
+
+
+def test_packaged_data_files_are_declared() -> None:
+    package_data = _pyproject()["tool"]["setuptools"]["package-data"]
+    for package, patterns in package_data.items():
+        folder = ROOT / Path(*package.split("."))
+        for pattern in patterns:
+            assert list(folder.glob(pattern)), f"{package}: nothing matches {pattern}"
+    assert (ROOT / "fedfm" / "experiments" / "paper.toml").exists()
 
 
 def test_console_script_points_at_cli_main() -> None:

@@ -29,6 +29,7 @@ from flwr.serverapp import Grid
 
 from fedfm.cli import main as cli_main
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.flower.codec import to_array_record
 from fedfm.protocols.masked_sum import masked_sum
 from fedfm.runtime import (
     PRESETS,
@@ -65,7 +66,6 @@ from fedfm.runtime.messages import (
 from fedfm.runtime.settings import RUN_CONFIG_DEFAULTS
 from fedfm.runtime.transport import Envelope, Failure, Transport
 from fedfm.secagg.channel import new_private_key, public_key_of
-from fedfm_clients.codec import to_array_record
 from fedfm_clients.masked_sum import app as masked_sum_client
 from fedfm_clients.runtime import load_state, save_state
 from fedfm_strategies.aggregation import task_identity
@@ -170,7 +170,7 @@ def test_the_relay_sees_no_plaintext_payload_and_no_secret() -> None:
 
     # what travelled inside the channels, recomputed from alice's and bob's shared randomness
     alice = federation.node_of("alice")
-    channels = alice.runtime.channels(alice.state)
+    channels = alice.role.channels(alice.state)
     x_a, x_b = (values[role]["x"].view(np.uint64) for role in ("alice", "bob"))
     pad = channels.shared_mask("alice", "bob", "pad", 64)
     order = channels.shared_generator("alice", "bob", "order").permutation(64)
@@ -188,7 +188,7 @@ def test_shared_randomness_belongs_to_the_pair_alone() -> None:
     federation = InProcessFederation(masked_sum(), inputs(length=4))
     federation.run()
     ends = {role: federation.node_of(role) for role in ("alice", "bob", "carol")}
-    channels = {role: node.runtime.channels(node.state) for role, node in ends.items()}
+    channels = {role: node.role.channels(node.state) for role, node in ends.items()}
 
     pad = channels["alice"].shared_mask("alice", "bob", "pad", 16)
     np.testing.assert_array_equal(pad, channels["bob"].shared_mask("bob", "alice", "pad", 16))
@@ -351,7 +351,7 @@ def test_a_substituted_public_key_is_detected() -> None:
 
     # a node given no pin for a peer refuses to talk to it
     federation = InProcessFederation(masked_sum(), inputs(length=8))
-    carol = federation.node_of("carol").runtime
+    carol = federation.node_of("carol").role
     carol.pins.pop("bob")
     with pytest.raises(ProtocolError, match="no identity fingerprint is pinned for role 'bob'"):
         federation.run()
@@ -362,13 +362,13 @@ def test_a_site_pins_only_its_peers_and_a_pin_for_its_own_role_must_be_its_ident
     values = inputs(length=8)
     federation = InProcessFederation(masked_sum(), values)
     for number, node in federation.nodes.items():
-        own = node.runtime.roles
-        node.runtime = NodeRuntime(
+        own = node.role.roles
+        node.role = NodeRuntime(
             masked_sum(),
             roles=own,
             identity=federation.identities[number],
             pins={role: pin for role, pin in federation.pins.items() if role not in own},
-            inputs=node.runtime.inputs,
+            inputs=node.role.inputs,
         )
     result = federation.run()
     np.testing.assert_array_equal(
@@ -385,14 +385,14 @@ def test_a_site_pins_only_its_peers_and_a_pin_for_its_own_role_must_be_its_ident
 
 def test_peers_given_different_parameters_find_out_before_sending() -> None:
     federation = InProcessFederation(chatter(words=3), WORDS)
-    listener = federation.node_of("listener").runtime
+    listener = federation.node_of("listener").role
     other = NodeRuntime(
         chatter(words=4),
         roles=listener.roles,
         identity=federation.identities[2],
         pins=listener.pins,
     )
-    federation.nodes[2].runtime = other
+    federation.nodes[2].role = other
     with pytest.raises(ProtocolError, match="runs another protocol description"):
         federation.run()
 
@@ -502,12 +502,12 @@ def test_channel_errors_are_protocol_errors_naming_the_problem() -> None:
     federation = InProcessFederation(masked_sum(), inputs(length=4))
     federation.run()
     alice, carol = (federation.node_of(role) for role in ("alice", "carol"))
-    sender = alice.runtime.channels(alice.state)
+    sender = alice.role.channels(alice.state)
     first, second = (sender.seal("alice", "carol", "extra", bytes([n]) * 8) for n in range(2))
     assert read_header(second)[0].sequence == read_header(first)[0].sequence + 1
 
     def receiver():  # carol as her node's state stands (every check starts from there)
-        return carol.runtime.channels(carol.state)
+        return carol.role.channels(carol.state)
 
     cases = [
         (

@@ -23,8 +23,8 @@ from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleB
 from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_BLOCK, DoubleBlindConfig
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.permutation import RoundPermutations
-from fedfm.protocols.double_blind.runner import StatefulClient
 from fedfm.protocols.double_blind.server import DoubleBlindServer
+from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, InProcessTransport
 
 # (node id, request the client received, its reply, its state after answering)
@@ -32,13 +32,13 @@ Observer = Callable[[int, Envelope, Envelope, ClientState], None]
 BLOCK_MESSAGES = (TRAIN_BLOCK, EVALUATE_BLOCK)
 
 
-class ObservedClient(StatefulClient):
+class ObservedClient(LocalNode[ClientState]):
     """A client role whose every answered message is shown to ``observers``."""
 
     def __init__(
         self, role: DoubleBlindClient, node_id: int, observers: Sequence[Observer]
     ) -> None:
-        super().__init__(role)
+        super().__init__(role, ClientState)
         self.node_id = node_id
         self.observers = list(observers)
 

@@ -9,6 +9,7 @@ Each node keeps its state as ``(arrays, config)`` records between requests, as F
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Generic
 
 import numpy as np
 
@@ -16,25 +17,41 @@ from fedfm.runtime.identity import Identity
 from fedfm.runtime.node import NodeRuntime, NodeState
 from fedfm.runtime.orchestrator import RunResult, run_protocol
 from fedfm.runtime.protocol import Protocol
-from fedfm.runtime.transport import Envelope, InProcessTransport, Transport
+from fedfm.runtime.transport import (
+    Envelope,
+    InProcessTransport,
+    NodeRole,
+    Records,
+    StateT,
+    Transport,
+)
 
 RoleInputs = Mapping[str, Mapping[str, np.ndarray]]
 
 
-class LocalNode:
-    """A node's runtime and its state, callable as an in-process transport handler."""
+class LocalNode(Generic[StateT]):
+    """A node's role and its state, callable as an in-process transport handler.
 
-    def __init__(self, runtime: NodeRuntime) -> None:
-        self.runtime = runtime
-        self.records: tuple[dict[str, np.ndarray], dict] | None = None
+    The one in-process driver of every protocol's nodes (runtime protocols through
+    :class:`InProcessFederation`, double-blind clients through its runner): between two requests
+    the node keeps only its state's ``(arrays, config)`` records, as Flower's ``context.state``
+    does, so an in-process run exercises the same state round trip as a deployment.
+    """
+
+    def __init__(self, role: NodeRole[StateT], state_type: type[StateT]) -> None:
+        self.role = role
+        self.state_type = state_type
+        self.records: Records | None = None
 
     @property
-    def state(self) -> NodeState:
+    def state(self) -> StateT:
         """The state the node would load for its next request."""
-        return NodeState() if self.records is None else NodeState.from_records(*self.records)
+        if self.records is None:
+            return self.state_type()
+        return self.state_type.from_records(*self.records)
 
     def __call__(self, envelope: Envelope) -> Envelope:
-        reply, state = self.runtime.handle(envelope, self.state)
+        reply, state = self.role.handle(envelope, self.state)
         self.records = state.to_records()
         return reply
 
@@ -75,12 +92,13 @@ class InProcessFederation:
                     identity=self.identities[node],
                     pins=self.pins,
                     inputs=lambda role: inputs.get(role, {}),
-                )
+                ),
+                NodeState,
             )
             for node, roles in self.roles.items()
         }
 
-    def node_of(self, role: str) -> LocalNode:
+    def node_of(self, role: str) -> LocalNode[NodeState]:
         """The node that plays ``role``."""
         return next(self.nodes[node] for node, roles in self.roles.items() if role in roles)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -70,6 +70,32 @@ class Transport(Protocol):
 
 
 ClientHandler = Callable[[Envelope], Envelope]
+Records = tuple[dict[str, np.ndarray], dict[str, ConfigValue]]
+
+
+class RoleState(Protocol):
+    """What a node keeps between two requests, as the two records Flower's ``context.state``
+    holds: arrays and plain config values. ``cls()`` is a fresh node's state."""
+
+    def to_records(self) -> Records: ...
+
+    @classmethod
+    def from_records(
+        cls, arrays: dict[str, np.ndarray], config: dict[str, ConfigValue]
+    ) -> Self: ...
+
+
+StateT = TypeVar("StateT", bound=RoleState)
+
+
+class NodeRole(Protocol[StateT]):
+    """The one shape every protocol's node takes: answer a request from the state the node kept,
+    return the reply and the new state. Raise :class:`~fedfm.errors.FedfmError` to refuse (the
+    state is then kept as it was). The Flower ClientApp factory
+    (:func:`fedfm.flower.apps.make_client_app`) and the in-process driver
+    (:class:`fedfm.runtime.local.LocalNode`) both serve roles of this shape."""
+
+    def handle(self, envelope: Envelope, state: StateT) -> tuple[Envelope, StateT]: ...
 
 
 @dataclass

@@ -81,6 +81,10 @@ class ClientData:
             raise DataError("this client's partition has no training samples")
 
 
+_SCALARS = ("stage", "round", "block")  # ClientState's fields kept as config values
+_CONFIG_PREFIX = "config."
+
+
 @dataclass(frozen=True)
 class ClientState:
     """Everything a client carries between messages (all of it stays on the client)."""
@@ -90,6 +94,30 @@ class ClientState:
     block: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def to_records(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The state as ``(arrays, config)`` records (the protocol config under ``config.``)."""
+        config: dict[str, Any] = {name: getattr(self, name) for name in _SCALARS}
+        config.update({f"{_CONFIG_PREFIX}{key}": value for key, value in self.config.items()})
+        return dict(self.arrays), config
+
+    @classmethod
+    def from_records(cls, arrays: dict[str, np.ndarray], config: dict[str, Any]) -> ClientState:
+        """The state :meth:`to_records` wrote."""
+        try:
+            return cls(
+                stage=str(config["stage"]),
+                round=int(config["round"]),
+                block=int(config["block"]),
+                config={
+                    key[len(_CONFIG_PREFIX) :]: value
+                    for key, value in config.items()
+                    if key.startswith(_CONFIG_PREFIX)
+                },
+                arrays=dict(arrays),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ProtocolError(f"a damaged client state: {error!r}") from error
 
     def group(self, name: str) -> dict[str, np.ndarray]:
         prefix = f"{name}."

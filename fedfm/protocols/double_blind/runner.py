@@ -1,7 +1,9 @@
 """Running double-blind adaptation in one process, without Flower or Ray.
 
 The same server and client roles as the Flower apps, wired through an
-:class:`~fedfm.runtime.transport.InProcessTransport`. Client data come from the clients' pool
+:class:`~fedfm.runtime.transport.InProcessTransport` to the runtime's one in-process driver
+(:class:`~fedfm.runtime.local.LocalNode`: each client keeps only its state's records between
+messages, as in Flower's ``context.state``). Client data come from the clients' pool
 of the dataset splits, partitioned with flwr-datasets partitioners.
 """
 
@@ -21,6 +23,7 @@ from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleB
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.driver import Aggregator, RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.server import DoubleBlindServer
+from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, InProcessTransport
 
 
@@ -72,18 +75,6 @@ def federation_data(
     ]
 
 
-class StatefulClient:
-    """A client role plus its state, as a handler for the in-process transport."""
-
-    def __init__(self, role: DoubleBlindClient) -> None:
-        self.role = role
-        self.state = ClientState()
-
-    def __call__(self, envelope: Envelope) -> Envelope:
-        reply, self.state = self.role.handle(envelope, self.state)
-        return reply
-
-
 def run_in_process(
     model: FheViT,
     splits: DataSplits,
@@ -99,7 +90,7 @@ def run_in_process(
     backend = get_backend(config.backend)
     datasets = federation_data(splits, federation, config)
     handlers = {
-        node_id: StatefulClient(DoubleBlindClient(data, backend, partition_id=node_id))
+        node_id: LocalNode(DoubleBlindClient(data, backend, partition_id=node_id), ClientState)
         for node_id, data in enumerate(datasets)
     }
     transport = InProcessTransport(handlers, drop=drop)

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 from flwr.serverapp import Grid
 
 from fedfm.errors import ProtocolError
+from fedfm.flower.codec import envelope_to_message, message_to_envelope
 from fedfm.runtime.transport import Envelope, Failure
-from fedfm_clients.codec import envelope_to_message, message_to_envelope
 
 
 class FlowerTransport:

@@ -1,4 +1,4 @@
-"""fedfm envelopes as Flower messages, and back.
+"""fedfm envelopes as Flower messages, and role states as ``context.state`` records, and back.
 
 A message carries an envelope's arrays in an ``ArrayRecord`` (numpy arrays, any dtype) and its
 config values in a ``ConfigRecord`` (``int``, ``float``, ``str``, ``bytes``, ``bool``); the
@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.runtime.transport import ConfigValue, Envelope
+from fedfm.runtime.transport import ConfigValue, Envelope, RoleState, StateT
 
 ARRAYS = "fedfm.arrays"
 CONFIG = "fedfm.config"
@@ -70,6 +70,22 @@ def load_records(
     if not isinstance(arrays, ArrayRecord) or not isinstance(config, ConfigRecord):
         raise ConfigError(f"context.state holds a damaged {names[1]!r}/{names[0]!r} pair")
     return from_array_record(arrays), dict(config)  # type: ignore[arg-type]
+
+
+def state_records(name: str) -> tuple[str, str]:
+    """The names of the two ``context.state`` records (arrays, config) of state ``name``."""
+    return f"{name}.arrays", f"{name}.state"
+
+
+def save_state(state: RoleState, record_dict: RecordDict, names: tuple[str, str]) -> None:
+    """Write a role's ``state`` into ``record_dict`` (a ``context.state``), replacing the last."""
+    save_records(record_dict, names, *state.to_records())
+
+
+def load_state(state_type: type[StateT], record_dict: RecordDict, names: tuple[str, str]) -> StateT:
+    """The state :func:`save_state` kept under ``names``; a new node's state if there is none."""
+    records = load_records(record_dict, names)
+    return state_type() if records is None else state_type.from_records(*records)
 
 
 def _content(envelope: Envelope) -> RecordDict:

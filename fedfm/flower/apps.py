@@ -1,0 +1,101 @@
+"""One ClientApp factory and one ServerApp factory for every fedfm protocol.
+
+A protocol's client side is a node role (:class:`~fedfm.runtime.transport.NodeRole`: answer a
+request from the state the node kept) and a state type with ``to_records``/``from_records``.
+:func:`make_client_app` turns the two into a Flower ``ClientApp``: decode the message into an
+envelope, load the state from ``context.state``, let the role answer, save the new state and
+reply. A request the role refuses (a :class:`~fedfm.errors.FedfmError`) gets an error reply that
+names the problem and leaves ``context.state`` as it was. On the Deployment Engine every message
+runs in a fresh ``flwr-clientapp`` process, so everything a node keeps between messages (keys,
+sequence numbers, the stage) lives in ``context.state`` and never leaves the node.
+
+A protocol's server side is one function of the grid and the run config;
+:func:`make_server_app` makes it the ServerApp's entry point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import Context, Error, Message
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid, ServerApp
+
+from fedfm.errors import FedfmError
+from fedfm.flower.codec import (
+    envelope_to_reply,
+    load_state,
+    message_to_envelope,
+    save_state,
+    state_records,
+)
+from fedfm.runtime.transport import NodeRole, StateT
+
+RoleOf = Callable[[Context], NodeRole[StateT]]
+
+
+def log_info(line: str) -> None:
+    """A progress line through Flower's logger (what the apps print by default)."""
+    log(INFO, line)
+
+
+def make_client_app(
+    role_of: RoleOf[StateT],
+    state_type: type[StateT],
+    *,
+    message_types: Iterable[str],
+    state_name: str,
+) -> ClientApp:
+    """A ClientApp answering ``message_types`` with the role ``role_of(context)`` gives.
+
+    Parameters
+    ----------
+    role_of:
+        This node's role, built from its context (run config, node config). Called for every
+        message: a role should be cheap to build or cache what is expensive.
+    state_type:
+        The role's state; ``state_type()`` is a new node's state.
+    message_types:
+        Every message type the role answers (``<train|evaluate|query>.<action>``).
+    state_name:
+        The prefix of the two ``context.state`` records that keep the state.
+    """
+    names = state_records(state_name)
+
+    def handle(message: Message, context: Context) -> Message:
+        try:
+            envelope = message_to_envelope(message, message.metadata.dst_node_id)
+            state = load_state(state_type, context.state, names)
+            reply, new_state = role_of(context).handle(envelope, state)
+            answer = envelope_to_reply(reply, message)
+        except FedfmError as error:
+            reason = f"{type(error).__name__}: {error}"
+            log(WARNING, "[fedfm] refused %s: %s", message.metadata.message_type, reason)
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
+        save_state(new_state, context.state, names)
+        return answer
+
+    app = ClientApp()
+    register = {"train": app.train, "evaluate": app.evaluate, "query": app.query}
+    for message_type in message_types:
+        category, _, action = message_type.partition(".")
+        if action:
+            register[category](action)(handle)
+        else:
+            register[category]()(handle)
+    return app
+
+
+def make_server_app(run: Callable[[Grid, Mapping[str, Any]], object]) -> ServerApp:
+    """A ServerApp whose entry point is ``run(grid, context.run_config)``."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run(grid, context.run_config)
+
+    return app
