@@ -35,5 +35,14 @@ class ProtocolError(FedfmError):
     """A protocol message arrived in a state that does not allow it, or is malformed."""
 
 
+class InvariantError(Exception):
+    """An internal invariant broke: a bug in fedfm, not a problem with the caller's input.
+
+    Deliberately not a :class:`FedfmError`: the command line shows its traceback, a ClientApp
+    does not turn it into a polite refusal, and ``python -O`` does not strip the check (as it
+    would an ``assert``).
+    """
+
+
 class CryptoParameterError(FedfmError):
     """Encryption parameters are insecure or cannot support the requested computation."""

@@ -227,3 +227,14 @@ def test_packaged_data_files_are_declared() -> None:
 
 def test_console_script_points_at_cli_main() -> None:
     assert _pyproject()["project"]["scripts"]["fedfm"] == "fedfm.cli:main"
+
+
+def test_library_code_raises_invariant_errors_instead_of_asserting() -> None:
+    """``python -O`` strips ``assert``: internal invariants raise ``InvariantError`` instead."""
+    offenders = [
+        f"{module} line {node.lineno}"
+        for module, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assert)
+    ]
+    assert offenders == []

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fedfm.data.dataset import ImageDataset
-from fedfm.errors import ConfigError, DataError
+from fedfm.errors import ConfigError, DataError, InvariantError
 
 SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "natural")
 
@@ -85,7 +85,8 @@ def partition(
             seed=seed,
         )
     else:
-        assert dataset.groups is not None  # checked by _check_arguments
+        if dataset.groups is None:
+            raise InvariantError("natural partition without groups (checked by _check_arguments)")
         columns["group"] = dataset.groups[order]
         partitioner = NaturalIdPartitioner(partition_by="group")
     partitioner.dataset = Dataset.from_dict(columns)

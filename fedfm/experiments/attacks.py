@@ -49,7 +49,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from fedfm.crypto.backend import CryptoBackend
-from fedfm.errors import ConfigError, ProtocolError
+from fedfm.errors import ConfigError, InvariantError, ProtocolError
 from fedfm.experiments.observed import BLOCK_MESSAGES, DrawnBatches
 from fedfm.protocols.double_blind.client import ClientData, ClientState
 from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_SECAGG
@@ -310,7 +310,8 @@ def align_rows(
         error = float(((model.predict(x).reshape(len(x), -1) - flat[matched]) ** 2).sum())
         if best is None or error < best[0]:
             best = (error, matched, model)
-    assert best is not None  # restarts >= 1
+    if best is None:
+        raise InvariantError("no restart ran (restarts >= 1 is checked)")
     _, matched, model = best
     batches = np.unique(pairs.batch)
     return Alignment(

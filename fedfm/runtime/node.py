@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from fedfm.errors import ConfigError, ProtocolError
+from fedfm.errors import ConfigError, InvariantError, ProtocolError
 from fedfm.runtime.channel import SESSION_BYTES, ChannelError, Channels, Pair
 from fedfm.runtime.identity import Identity, IdentityError, KeyBundle
 from fedfm.runtime.messages import (
@@ -181,7 +181,8 @@ class NodeRuntime:
         reply = Envelope(HELLO, envelope.node_id, envelope.round, config={f"{BUNDLE}.roles": ""})
         if not self.roles:
             return reply, NodeState(session=session)
-        assert self.identity is not None  # checked in __init__
+        if self.identity is None:
+            raise InvariantError("a node runtime without an identity (checked in __init__)")
         private_key = new_private_key()
         bundle = KeyBundle.signed(
             self.identity,

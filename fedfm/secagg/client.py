@@ -35,7 +35,7 @@ from typing import Self
 
 import numpy as np
 
-from fedfm.errors import ConfigError, ProtocolError
+from fedfm.errors import ConfigError, InvariantError, ProtocolError
 from fedfm.secagg.channel import (
     KEY_BYTES,
     new_private_key,
@@ -345,7 +345,8 @@ def collect_masked_input(
     ``share_keys``). The number of clipped values goes into the new state.
     """
     _expect(state, request, (SHARED,))
-    assert state.settings is not None  # every state past NEW has settings
+    if state.settings is None:
+        raise InvariantError(f"SecAgg state {state.stage!r} has no settings (set past NEW)")
     strangers = sorted(set(request.ciphertexts) - {n.node_id for n in state.neighbours})
     if strangers:
         raise ProtocolError(f"shares arrived from nodes {strangers}, which are not neighbours")

@@ -39,7 +39,7 @@ from fedfm.crypto.backend import (
     drive,
     lockstep,
 )
-from fedfm.errors import ProtocolError
+from fedfm.errors import InvariantError, ProtocolError
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
@@ -264,7 +264,8 @@ class DoubleBlindServer:
     ) -> Envelope:
         """Run ``stage`` until it needs the client: a refresh request or the next message."""
         flight = session.in_flight
-        assert flight is not None  # callers check; an internal invariant
+        if flight is None:
+            raise InvariantError("no request in flight for this node (callers check)")
         try:
             request = stage.send(reply)  # type: ignore[arg-type]  # None starts the generator
         except StopIteration as stop:
@@ -276,7 +277,8 @@ class DoubleBlindServer:
     def _refreshing(self, node_id: int, session: ClientSession, work: Work[Any]) -> Stage:
         """Carry ``work``'s refreshes to the client as ``query.refresh`` round trips."""
         flight = session.in_flight
-        assert flight is not None
+        if flight is None:
+            raise InvariantError("no request in flight for this node (callers check)")
         evaluator = session.evaluator
 
         def ask(items: list[Any]) -> Envelope:
@@ -298,7 +300,8 @@ class DoubleBlindServer:
         global_arrays: dict[str, np.ndarray],
     ) -> Stage:
         flight = session.in_flight
-        assert flight is not None
+        if flight is None:
+            raise InvariantError("no request in flight for this node (callers check)")
         works = [session.evaluator.take(inputs, batch) for batch in flight.indices]
         flight.current = yield from self._refreshing(node_id, session, lockstep(works))
         return (yield from self._block_stage(node_id, session, global_arrays))
@@ -307,7 +310,8 @@ class DoubleBlindServer:
         self, node_id: int, session: ClientSession, global_arrays: dict[str, np.ndarray]
     ) -> Stage:
         flight = session.in_flight
-        assert flight is not None  # callers check; an internal invariant
+        if flight is None:
+            raise InvariantError("no request in flight for this node (callers check)")
         evaluator = session.evaluator
         block = flight.block + 1
         # the model's blocks up to the next revealed one, chained on ciphertexts
@@ -400,7 +404,8 @@ class DoubleBlindServer:
         log_probs: list[EncryptedBatch],
     ) -> Stage:
         flight = session.in_flight
-        assert flight is not None
+        if flight is None:
+            raise InvariantError("no request in flight for this node (callers check)")
         evaluator = session.evaluator
         works = [
             evaluator.take(session.train_labels, batch[perms.after_block(self.num_blocks + 1)])
