@@ -326,10 +326,9 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
     """The benchmark on a micro student: one block per batch size and a full forward pass."""
     import json
 
-    from conftest import save_micro_student
-
     from fedfm.distillation.pipeline import DistillRun, load_data
     from fedfm.experiments.bench_ckks import run_ckks_benchmark
+    from tests.helpers import save_micro_student
 
     run = DistillRun(model="vit_fedfm_micro", image_size=8, max_samples=60, workdir=tmp_path)
     splits, _ = load_data(run)

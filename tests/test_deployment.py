@@ -20,12 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import save_micro_student
 
 from fedfm.data import load_splits
 from fedfm.distillation.pipeline import load_data, load_student
 from fedfm.protocols.double_blind.runner import run_in_process
 from fedfm.protocols.double_blind.settings import app_settings
+from tests.helpers import save_micro_student
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "simulations" / "deploy"

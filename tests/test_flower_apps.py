@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import tenseal as ts
 import torch
-from conftest import save_micro_student
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import (
@@ -66,6 +65,7 @@ from fedfm_strategies.aggregation import (
     task_identity,
 )
 from fedfm_strategies.double_blind import run_adaptation
+from tests.helpers import save_micro_student
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "simulations" / "double_blind"

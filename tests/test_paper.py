@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import save_micro_student
 
 from fedfm.cli import main
 from fedfm.data import DataSplits, load_splits
@@ -26,6 +25,7 @@ from fedfm.experiments.paper import (
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from tests.helpers import save_micro_student
 
 CONFIG = """
 [defaults]

@@ -1,0 +1,69 @@
+"""Helpers shared by test modules (imported as ``tests.helpers``, never through conftest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from fedfm.approx import calibrate
+from fedfm.approx.modules import clamped_count, reset_clamped
+from fedfm.approx.specs import ApproxConfig
+from fedfm.data import DataSplits
+from fedfm.distillation.pipeline import ApproxSettings, save_student
+from fedfm.errors import InvariantError
+from fedfm.models import ModelSpec
+from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
+
+
+def tiny_fhe_vit(seed: int = 0) -> tuple[FheViT, torch.Tensor]:
+    """A calibrated FHE-friendly ViT on 8x8 images in 4x4 patches (5 tokens, width 8, 2 heads,
+    2 blocks, 3 classes) and 24 random images: every CKKS code path runs on it in seconds.
+
+    Every parameter is drawn to matter (timm starts with tiny weights, zero biases and unit
+    norms, which would leave attention uniform and biases idle); the class and position
+    embeddings are widened so that LayerNorm stays inside its approximation's domain.
+    """
+    torch.manual_seed(seed)
+    vit = VisionTransformer(
+        img_size=8, patch_size=4, embed_dim=8, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=3
+    )
+    with torch.no_grad():
+        vit.pos_embed.normal_(0.0, 0.5)
+        vit.cls_token.normal_(0.0, 1.0)
+        for name, parameter in vit.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.3)
+            elif "norm" in name:
+                parameter.normal_(1.0, 0.3)
+            elif "blocks" in name:
+                parameter.normal_(0.0, 0.5)
+    model = to_fhe_friendly(vit, ApproxConfig()).eval()
+    images = torch.rand(24, 3, 8, 8)
+    calibrate(model, [images])
+    return model, images
+
+
+def save_micro_student(folder: Path, splits: DataSplits) -> Path:
+    """An untrained, calibrated two-block micro student on 8x8 images, saved in ``folder``.
+
+    timm starts the class token near zero, which leaves LayerNorm's domain (plaintext would
+    clamp, CKKS cannot); larger position and class embeddings keep every input inside it, so
+    CKKS and simulate evaluate the same polynomials (checked here on the pool).
+    """
+    torch.manual_seed(0)
+    spec = ModelSpec("vit_fedfm_micro", splits.aux.num_classes, 8)
+    vit = spec.build()
+    with torch.no_grad():
+        vit.pos_embed.normal_(0.0, 0.5)
+        vit.cls_token.normal_(0.0, 1.0)
+    student = to_fhe_friendly(vit, ApproxSettings().build())
+    calibrate(student, [splits.aux.images])
+    reset_clamped(student)
+    with torch.no_grad():
+        student(splits.pool.images)
+    if clamped_count(student):
+        raise InvariantError("the micro student left its approximations' domains on the pool")
+    save_student(folder / "student.pt", student, spec, ApproxSettings())
+    return folder
