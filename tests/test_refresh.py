@@ -10,7 +10,7 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 from scipy import stats
 
-from fedfm.crypto import seal_memory
+from fedfm.crypto import seal_memory, seal_raw
 from fedfm.crypto.refresh import (
     FRESH_NOISE_PER_DEGREE,
     ZERO_NOISE_ETA,
@@ -120,9 +120,9 @@ def _level(context: ts.Context, ciphertext) -> int:
 def access(request, monkeypatch):
     """Both ways into SEAL: its objects' memory (the default here) and save/load files."""
     if request.param == "memory":
-        assert seal_memory.available(), "direct SEAL memory access failed its probe"
+        assert seal_raw.direct_memory_available(), "direct SEAL memory access failed its probe"
     else:
-        monkeypatch.setattr(seal_memory, "available", lambda: False)
+        monkeypatch.setattr(seal_raw, "direct_memory_available", lambda: False)
     return request.param
 
 
@@ -181,14 +181,14 @@ def test_compact_wire_format_round_trips_and_refuses_damage(keys, access):
 
 
 def test_memory_access_can_be_switched_off(monkeypatch):
-    seal_memory.available.cache_clear()
+    seal_raw.direct_memory_available.cache_clear()
     monkeypatch.setenv(seal_memory.SWITCH_VARIABLE, "0")
     try:
-        assert not seal_memory.available()
+        assert not seal_raw.direct_memory_available()
     finally:
-        seal_memory.available.cache_clear()
+        seal_raw.direct_memory_available.cache_clear()
     monkeypatch.delenv(seal_memory.SWITCH_VARIABLE)
-    assert seal_memory.available()
+    assert seal_raw.direct_memory_available()
 
 
 def test_plaintext_layout_and_ntt_round_trip(keys, access):

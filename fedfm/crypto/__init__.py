@@ -1,4 +1,29 @@
-"""Crypto backends behind one interface: ``simulate`` (plaintext stand-in), ``ckks`` (TenSEAL)."""
+"""Crypto backends behind one interface: ``simulate`` (plaintext stand-in), ``ckks`` (TenSEAL).
+
+Layers, bottom up (a module imports only layers below its own; no cycle, late imports included;
+``tests/test_packaging.py`` checks the package's place among the library's floors):
+
+1. **The backend seam and the plaintext backend**: :mod:`~fedfm.crypto.backend` (a data owner's
+   :class:`KeyOwner`, an :class:`Evaluator` that only holds public bytes, client-assisted work as
+   generators), :mod:`~fedfm.crypto.simulate`, :mod:`~fedfm.crypto.params` (the CKKS parameter
+   sets and their 128-bit security check).
+2. **SEAL objects as numbers**: :mod:`~fedfm.crypto.seal_memory` (coefficients in SEAL's memory),
+   :mod:`~fedfm.crypto.seal_raw` (the wire format, files, residues; the memory path's self-test),
+   :mod:`~fedfm.crypto.rns_linear` (exact linear layers on residues).
+3. **CKKS machinery**: :mod:`~fedfm.crypto.workers` (the process pool: it runs module-level jobs
+   and imports no crypto module), :mod:`~fedfm.crypto.refresh` (masked client-assisted refresh
+   and its pool jobs), :mod:`~fedfm.crypto.circuit` (the instrumented evaluator; its worker pool
+   is injected as a :class:`~fedfm.crypto.circuit.SegmentRunner`, its pool jobs live beside it).
+4. **The ViT on ciphertexts**: :mod:`~fedfm.crypto.packing` (slot layout),
+   :mod:`~fedfm.crypto.benes` (permutation networks), :mod:`~fedfm.crypto.ckks_vit` (blocks).
+5. **The CKKS backend** :mod:`~fedfm.crypto.ckks`, and this package: :func:`get_backend`.
+
+The public API is what this package exports: the backend seam, the backends and parameter sets,
+and the CKKS building blocks other protocols use (HELIX imports nothing else): contexts
+(:func:`context_from_bytes`, :func:`public_context_bytes`, :func:`check_context_parameters`,
+:func:`context_fingerprint`), ciphertext lists on the wire (:func:`list_payload`,
+:func:`load_list`) and raw access to SEAL objects (:class:`SealIO`).
+"""
 
 from collections.abc import Callable
 
@@ -10,8 +35,17 @@ from fedfm.crypto.backend import (
     ModelGeometry,
     run_locally,
 )
-from fedfm.crypto.ckks import CkksBackend
+from fedfm.crypto.ckks import (
+    CkksBackend,
+    check_context_parameters,
+    context_fingerprint,
+    context_from_bytes,
+    list_payload,
+    load_list,
+    public_context_bytes,
+)
 from fedfm.crypto.params import CKKS_8192, CKKS_8192_REFRESH, CKKS_16384, CkksParameters
+from fedfm.crypto.seal_raw import SealIO
 from fedfm.crypto.simulate import SimulateBackend
 from fedfm.errors import ConfigError
 
@@ -47,7 +81,14 @@ __all__ = [
     "Evaluator",
     "KeyOwner",
     "ModelGeometry",
+    "SealIO",
     "SimulateBackend",
+    "check_context_parameters",
+    "context_fingerprint",
+    "context_from_bytes",
     "get_backend",
+    "list_payload",
+    "load_list",
+    "public_context_bytes",
     "run_locally",
 ]

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import tenseal as ts
@@ -40,13 +42,20 @@ import tenseal.sealapi as sealapi
 
 from fedfm.crypto.backend import Work
 from fedfm.crypto.rns_linear import linear_map
-from fedfm.crypto.seal_raw import SealIO
-from fedfm.crypto.workers import WorkerPool, decode_nested, encode_nested, run_segment
+from fedfm.crypto.seal_raw import SealIO, dumps
+from fedfm.crypto.workers import CONTEXTS_PER_WORKER
 from fedfm.errors import CryptoParameterError, ProtocolError
 
 Ciphertext = Any  # sealapi.Ciphertext (TenSEAL registers it under its own module)
 R = TypeVar("R")
 _LOG = logging.getLogger(__name__)
+
+
+class SegmentRunner(Protocol):
+    """What :meth:`Circuit.spread` needs of a worker pool: run a module-level function in
+    another process. The evaluator injects one (``fedfm.crypto.workers.WorkerPool``)."""
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]: ...
 
 
 @dataclass
@@ -122,7 +131,7 @@ class Circuit:
         self._steps: list[int] = []
         self._io: SealIO | None = None
         # Set by the evaluator to spread segments over worker processes (spread).
-        self.pool: WorkerPool | None = None
+        self.pool: SegmentRunner | None = None
         self.context_path: str | None = None
 
     @property
@@ -137,7 +146,7 @@ class Circuit:
     ) -> list[R]:
         """``[function(self, *args, **options) for args in inputs]`` for independent segments
         that need no refresh: the first here, the others in the worker pool if there is one
-        (:func:`fedfm.crypto.workers.run_segment`), with the same results.
+        (:func:`run_segment`), with the same results.
 
         ``function`` must be a module-level function (workers import it by name) returning
         nested lists of ciphertexts; ``options`` must be picklable.
@@ -548,3 +557,57 @@ def _apply(circuit: Circuit, node: Traced, *cts: Ciphertext) -> Ciphertext:
 def symbol() -> Traced:
     """A fresh traced input."""
     return Traced("input")
+
+
+# Jobs the worker pool runs for Circuit.spread (module-level: a worker unpickles them by
+# reference). In a worker: evaluation circuits by context file (path, size, modification time).
+_CIRCUITS: OrderedDict[tuple[str, int, int], Circuit] = OrderedDict()
+
+
+def encode_nested(value: Any) -> Any:
+    """Nested lists and tuples of SEAL ciphertexts as the same nesting of compact bytes."""
+    if isinstance(value, (list, tuple)):
+        return [encode_nested(item) for item in value]
+    return dumps(value)
+
+
+def decode_nested(io: Any, value: Any) -> Any:
+    """The inverse of :func:`encode_nested` for ``io``'s context (a ``SealIO``)."""
+    if isinstance(value, list):
+        return [decode_nested(io, item) for item in value]
+    return io.load_ciphertext(value)
+
+
+class _NoRefresh:
+    """A segment's refresher: segments are cut so that no level runs out inside them."""
+
+    def mask_many(self, cts: Sequence[Any]) -> Any:
+        raise ProtocolError("internal: a block segment sent to a worker needed a refresh")
+
+
+def run_segment(
+    context_path: str,
+    steps: Sequence[int],
+    function: Callable[..., Any],
+    inputs: Sequence[Any],
+    options: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """In a worker: ``function(circuit, *inputs, **options)`` on a circuit of the public context
+    saved at ``context_path``; ciphertexts travel as :func:`encode_nested` forms. Returns the
+    result and the operations it took (:meth:`CircuitStats.operations`)."""
+    status = os.stat(context_path)
+    key = (context_path, status.st_size, status.st_mtime_ns)
+    if key in _CIRCUITS:
+        _CIRCUITS.move_to_end(key)
+        circuit = _CIRCUITS[key]
+    else:
+        with open(context_path, "rb") as handle:
+            context = ts.context_from(handle.read())
+        circuit = Circuit(context, _NoRefresh())
+        circuit.declare_steps(steps)
+        _CIRCUITS[key] = circuit
+        while len(_CIRCUITS) > CONTEXTS_PER_WORKER:
+            _CIRCUITS.popitem(last=False)
+    circuit.stats = CircuitStats()
+    result = function(circuit, *(decode_nested(circuit.io, item) for item in inputs), **options)
+    return encode_nested(result), circuit.stats.operations()

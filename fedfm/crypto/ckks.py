@@ -55,7 +55,7 @@ import numpy as np
 import tenseal as ts
 import tenseal.sealapi as sealapi  # registers SEAL's types (moduli, keys) with Python
 
-from fedfm.crypto import ckks_vit
+import fedfm.crypto.ckks_vit as ckks_vit
 from fedfm.crypto.backend import (
     CryptoBackend,
     EncryptedBatch,
@@ -68,16 +68,15 @@ from fedfm.crypto.backend import (
 from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.params import CKKS_16384, CkksParameters
-from fedfm.crypto.refresh import RefreshClient, RefreshServer
+from fedfm.crypto.refresh import RefreshClient, RefreshServer, refresh_blobs
 from fedfm.crypto.seal_raw import SealIO, dumps, scratch_root, seal_bytes
 from fedfm.crypto.workers import (
     configured_workers,
     discard_pool,
     keep_heap,
-    refresh_blobs,
     shared_pool,
 )
-from fedfm.errors import CryptoParameterError, ProtocolError
+from fedfm.errors import CryptoParameterError, InvariantError, ProtocolError
 
 if TYPE_CHECKING:
     from fedfm.models.fhe_vit import FheViT
@@ -268,7 +267,8 @@ class _Packing:
                     f"hidden states have {values.shape[1]} tokens, the model {self.hidden.tokens}"
                 )
             return values
-        assert self.geometry is not None  # layout_for checked
+        if self.geometry is None:
+            raise InvariantError("an evaluator without a model geometry (layout_for checks)")
         return patchify(values, self.geometry.patch_size, self.hidden.tokens)
 
     def from_tokens(self, values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

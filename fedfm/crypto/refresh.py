@@ -52,10 +52,11 @@ The ``rng`` argument (a NumPy ``Generator``) exists for reproducible tests only.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -84,7 +85,7 @@ from fedfm.crypto.seal_raw import (
     seal_bytes,
     submod,
 )
-from fedfm.crypto.workers import WorkerPool, discard_pool, mask_material_blobs, shared_pool
+from fedfm.crypto.workers import CONTEXTS_PER_WORKER, WorkerPool, discard_pool, shared_pool
 from fedfm.errors import CryptoParameterError, ProtocolError
 
 _LOG = logging.getLogger(__name__)
@@ -699,3 +700,41 @@ class RefreshClient(_OnChain):
 def observe_masked(client: RefreshClient, masked: MaskedCiphertext | Ciphertext) -> np.ndarray:
     """Test hook: the centered integer coefficients ``client`` sees when refreshing ``masked``."""
     return client.observe(masked)
+
+
+# Jobs the worker pool runs (module-level, so that a worker can unpickle them by reference).
+# In a worker: the objects built from recently used contexts, most recent last.
+_LOADED: OrderedDict[tuple[str, bytes, int], Any] = OrderedDict()
+
+
+def _loaded(role: str, context_bytes: bytes, mask_bits: int = 0) -> Any:
+    """``(io, refresher)`` for a context, built once per worker and kept while recently used."""
+    key = (role, hashlib.sha256(context_bytes).digest(), mask_bits)
+    if key in _LOADED:
+        _LOADED.move_to_end(key)
+        return _LOADED[key]
+    context = ts.context_from(context_bytes)
+    io = SealIO(context.seal_context().data)
+    if role == "client":
+        refresher: Any = RefreshClient(context)
+    else:
+        refresher = RefreshServer(context, mask_bits=mask_bits)
+    _LOADED[key] = (io, refresher)
+    while len(_LOADED) > CONTEXTS_PER_WORKER:
+        _LOADED.popitem(last=False)
+    return io, refresher
+
+
+def refresh_blobs(context_bytes: bytes, blobs: Sequence[bytes]) -> list[bytes]:
+    """In a worker: masked ciphertexts -> fresh ones (wire forms, :func:`seal_raw.dumps`)."""
+    io, client = _loaded("client", context_bytes)
+    fresh = client.refresh_many([io.load_ciphertext(blob) for blob in blobs])
+    return [dumps(ct) for ct in fresh]
+
+
+def mask_material_blobs(
+    context_bytes: bytes, mask_bits: int, count: int
+) -> list[tuple[bytes, bytes]]:
+    """In a worker: ``count`` pieces of mask material as bytes (:meth:`MaskMaterial.to_bytes`)."""
+    _, server = _loaded("server", context_bytes, mask_bits)
+    return [server.prepare().to_bytes() for _ in range(count)]

@@ -37,7 +37,7 @@ from fedfm.crypto.seal_raw import (
     primes_of,
     reduce_once,
 )
-from fedfm.errors import ProtocolError
+from fedfm.errors import InvariantError, ProtocolError
 
 LIMB_BITS = 20
 # float64 represents every integer of magnitude up to 2**53 exactly.
@@ -100,7 +100,8 @@ def linear_residues(
             if acc is None
             else addmod(times_power_of_two(acc, LIMB_BITS, prime), partial, prime)
         )
-    assert acc is not None  # every prime has at least one limb
+    if acc is None:
+        raise InvariantError("a prime without limbs (every prime has at least one)")
     return times_power_of_two(acc, shift, prime) if shift else acc
 
 

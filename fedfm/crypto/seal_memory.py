@@ -26,9 +26,7 @@ here, after checking that every word is reduced modulo its prime (what SEAL's ``
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -158,58 +156,3 @@ def new_plaintext(
     header[_PT_PARMS : _PT_PARMS + 4] = np.asarray(parms_id, dtype=np.uint64)
     plaintext.scale = scale
     return plaintext
-
-
-@functools.cache
-def available() -> bool:
-    """Whether direct access works in this process (probed once; see the module docstring)."""
-    if os.environ.get(SWITCH_VARIABLE, "").strip() == "0":
-        return False
-    try:
-        return _probe()
-    except Exception as error:  # any surprise means: do not touch SEAL's memory
-        _LOG.info("direct SEAL memory access unavailable (%s); using save/load", error)
-        return False
-
-
-def _probe() -> bool:
-    """Compare direct reads and writes with SEAL's own serialization on a small context."""
-    import tenseal as ts
-
-    from fedfm.crypto import seal_raw
-
-    context = ts.context(ts.SCHEME_TYPE.CKKS, 4096, coeff_mod_bit_sizes=[40, 20, 40])
-    seal_context = context.seal_context().data
-    io = seal_raw.SealIO(seal_context, direct=False)
-    try:
-        top = seal_context.first_context_data()
-        parms_id = tuple(top.parms_id())
-        primes = [m.value() for m in top.parms().coeff_modulus()]
-        rng = np.random.default_rng(0)
-        data = np.stack([rng.integers(0, p, size=(3, 4096), dtype=np.uint64) for p in primes], 1)
-        expected = seal_raw.RawCiphertext(parms_id, True, 2.0**37, data, 1)
-        loaded = io.write_ciphertext(expected)  # made by SEAL's load
-        if not np.array_equal(read_ciphertext_words(loaded), data):
-            return False
-        made = new_ciphertext(seal_context, parms_id, primes, True, 2.0**37, data, 1)
-        found = io.read_ciphertext(made)  # read by SEAL's save
-        if (
-            found.parms_id != parms_id
-            or not found.is_ntt_form
-            or found.scale != 2.0**37
-            or found.correction_factor != 1
-            or not np.array_equal(found.data, data)
-        ):
-            return False
-        plain = data[0]
-        loaded_plain = io.write_plaintext(seal_raw.RawPlaintext(parms_id, 2.0**30, plain))
-        if not np.array_equal(read_plaintext_words(loaded_plain), plain.ravel()):
-            return False
-        found_plain = io.read_plaintext(new_plaintext(parms_id, primes, 2.0**30, plain))
-        return (
-            found_plain.parms_id == parms_id
-            and found_plain.scale == 2.0**30
-            and np.array_equal(found_plain.data, plain)
-        )
-    finally:
-        io.close()

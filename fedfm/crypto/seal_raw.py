@@ -43,6 +43,7 @@ Modular arithmetic works on ``uint64`` arrays for primes below 2^60 without over
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import shutil
@@ -58,8 +59,10 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 import zstandard
 
-from fedfm.crypto import seal_memory
+import fedfm.crypto.seal_memory as seal_memory
 from fedfm.errors import CryptoParameterError, ProtocolError
+
+_LOG = logging.getLogger(__name__)
 
 SEAL_MAGIC = 0xA15E
 HEADER = struct.Struct("<HBBBBHQ")
@@ -310,14 +313,14 @@ def _read_direct(ciphertext: Any) -> RawCiphertext:
 class SealIO:
     """Reads and writes SEAL objects of one context through a private scratch file.
 
-    With ``direct`` (default: when :func:`fedfm.crypto.seal_memory.available`), coefficients are
+    With ``direct`` (default: when :func:`direct_memory_available`), coefficients are
     read and written in SEAL's memory instead (no file, no compression): the same objects, about
     ten times faster. One instance reuses one file, so it is not safe to share between threads.
     """
 
     def __init__(self, context: Any, *, direct: bool | None = None) -> None:
         self.seal_context = seal_context_of(context)
-        self.direct = seal_memory.available() if direct is None else direct
+        self.direct = direct_memory_available() if direct is None else direct
         self._folder = tempfile.mkdtemp(prefix="fedfm-seal-", dir=scratch_root())
         self._path = str(Path(self._folder) / "object")
         self._finalizer = weakref.finalize(self, _remove_folder, self._folder, os.getpid())
@@ -452,14 +455,14 @@ def seal_bytes(item: Any) -> bytes:
 
 def read_ciphertext(ciphertext: Any) -> RawCiphertext:
     """The fields and coefficients of a SEAL (or TenSEAL-held) ciphertext."""
-    if seal_memory.available():
+    if direct_memory_available():
         return _read_direct(ciphertext)
     return parse_ciphertext(seal_bytes(ciphertext))
 
 
 def plaintext_words(plaintext: Any) -> np.ndarray:
     """The coefficients of a SEAL plaintext, flat (``k * N`` words for a CKKS one)."""
-    if seal_memory.available():
+    if direct_memory_available():
         return seal_memory.read_plaintext_words(plaintext)
     return parse_plaintext(seal_bytes(plaintext)).data
 
@@ -622,3 +625,56 @@ def crt_lift(r0: np.ndarray, r1: np.ndarray, q0: int, q1: int) -> MixedRadix:
     t, u = divmod(q0 * q1 // 2, q0)
     negative = (v > np.uint64(t)) | ((v == np.uint64(t)) & (r0 > np.uint64(u)))
     return MixedRadix(r0, v, negative, q0, q1)
+
+
+# The direct path's self-test lives here, beside both paths it compares (seal_memory stays below
+# this module: it knows SEAL's memory layout, not its files).
+@functools.cache
+def direct_memory_available() -> bool:
+    """Whether direct access works in this process (probed once; see the module docstring)."""
+    if os.environ.get(seal_memory.SWITCH_VARIABLE, "").strip() == "0":
+        return False
+    try:
+        return _probe_direct_memory()
+    except Exception as error:  # any surprise means: do not touch SEAL's memory
+        _LOG.info("direct SEAL memory access unavailable (%s); using save/load", error)
+        return False
+
+
+def _probe_direct_memory() -> bool:
+    """Compare direct reads and writes with SEAL's own serialization on a small context."""
+    context = ts.context(ts.SCHEME_TYPE.CKKS, 4096, coeff_mod_bit_sizes=[40, 20, 40])
+    seal_context = context.seal_context().data
+    io = SealIO(seal_context, direct=False)
+    try:
+        top = seal_context.first_context_data()
+        parms_id = tuple(top.parms_id())
+        primes = [m.value() for m in top.parms().coeff_modulus()]
+        rng = np.random.default_rng(0)
+        data = np.stack([rng.integers(0, p, size=(3, 4096), dtype=np.uint64) for p in primes], 1)
+        expected = RawCiphertext(parms_id, True, 2.0**37, data, 1)
+        loaded = io.write_ciphertext(expected)  # made by SEAL's load
+        if not np.array_equal(seal_memory.read_ciphertext_words(loaded), data):
+            return False
+        made = seal_memory.new_ciphertext(seal_context, parms_id, primes, True, 2.0**37, data, 1)
+        found = io.read_ciphertext(made)  # read by SEAL's save
+        if (
+            found.parms_id != parms_id
+            or not found.is_ntt_form
+            or found.scale != 2.0**37
+            or found.correction_factor != 1
+            or not np.array_equal(found.data, data)
+        ):
+            return False
+        plain = data[0]
+        loaded_plain = io.write_plaintext(RawPlaintext(parms_id, 2.0**30, plain))
+        if not np.array_equal(seal_memory.read_plaintext_words(loaded_plain), plain.ravel()):
+            return False
+        found_plain = io.read_plaintext(seal_memory.new_plaintext(parms_id, primes, 2.0**30, plain))
+        return (
+            found_plain.parms_id == parms_id
+            and found_plain.scale == 2.0**30
+            and np.array_equal(found_plain.data, plain)
+        )
+    finally:
+        io.close()

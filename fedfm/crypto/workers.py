@@ -3,15 +3,16 @@
 SEAL's Python bindings keep the GIL, so threads do not help; processes do. One pool per process
 (:func:`shared_pool`) serves every key in it (a simulation runs many data owners and the server's
 evaluators in one process): a job carries the serialized context it needs (public or secret,
-without rotation keys: up to a few MB), and each worker keeps the last few contexts it loaded.
-Three jobs use it: a data owner's refresh of a batch of masked ciphertexts (:func:`refresh_blobs`,
-in small chunks shared by the workers and the calling process: :meth:`WorkerPool.map_chunks`),
-the server's mask material, made ahead of time because it depends
-on no data (:func:`mask_material_blobs`), and *segments* of the server's block evaluation that
-need no refresh and do not depend on each other, such as one attention head's logits
-(:func:`run_segment`, driven by :meth:`fedfm.crypto.circuit.Circuit.spread`). A segment's worker
-loads the evaluator's public context (with its rotation keys: megabytes, too large to send with
-every job) from a file the evaluator writes once, and keeps the circuit it built.
+without rotation keys: up to a few MB), and each worker keeps the last few contexts it loaded. Three
+jobs use it: a data owner's refresh of a batch of masked ciphertexts
+(:func:`fedfm.crypto.refresh.refresh_blobs`, in small chunks shared by the workers and the calling
+process: :meth:`WorkerPool.map_chunks`), the server's mask material, made ahead of time because it
+depends on no data (:func:`fedfm.crypto.refresh.mask_material_blobs`), and *segments* of the
+server's block evaluation that need no refresh and do not depend on each other, such as one
+attention head's logits (:func:`fedfm.crypto.circuit.run_segment`, driven by
+:meth:`fedfm.crypto.circuit.Circuit.spread`). A segment's worker loads the evaluator's public
+context (with its rotation keys: megabytes, too large to send with every job) from a file the
+evaluator writes once, and keeps the circuit it built.
 
 Workers are forked (``fork``: no re-import of the caller's main script, as ``spawn`` would do;
 they only run SEAL and element-wise NumPy, not the parent's thread pools).
@@ -34,18 +35,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import hashlib
 import logging
 import multiprocessing
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
-import tenseal as ts
-
-from fedfm.errors import ConfigError, ProtocolError
+from fedfm.errors import ConfigError
 
 _LOG = logging.getLogger(__name__)
 WORKERS_VARIABLE = "FEDFM_CKKS_WORKERS"
@@ -63,10 +60,6 @@ STEAL_CHUNKS, STEAL_CHUNK_MIN = 4, 8
 # Contexts a worker keeps loaded (data owners and evaluators it serves in turn).
 CONTEXTS_PER_WORKER = 4
 
-# In a worker: the objects built from recently used contexts, most recent last.
-_LOADED: OrderedDict[tuple[str, bytes, int], Any] = OrderedDict()
-# In a worker: evaluation circuits by context file (path, size, modification time).
-_CIRCUITS: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
 # In the parent: the pool of this process and its size.
 _POOL: list[WorkerPool] = []
 
@@ -102,98 +95,6 @@ def keep_heap() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(parameter, value) == 1 for parameter, value in _HEAP_SETTINGS.items())
-
-
-def _loaded(role: str, context_bytes: bytes, mask_bits: int = 0) -> Any:
-    """``(io, refresher)`` for a context, built once per worker and kept while recently used."""
-    # Imported here: refresh.py imports this module.
-    from fedfm.crypto.refresh import RefreshClient, RefreshServer
-    from fedfm.crypto.seal_raw import SealIO
-
-    key = (role, hashlib.sha256(context_bytes).digest(), mask_bits)
-    if key in _LOADED:
-        _LOADED.move_to_end(key)
-        return _LOADED[key]
-    context = ts.context_from(context_bytes)
-    io = SealIO(context.seal_context().data)
-    if role == "client":
-        refresher: Any = RefreshClient(context)
-    else:
-        refresher = RefreshServer(context, mask_bits=mask_bits)
-    _LOADED[key] = (io, refresher)
-    while len(_LOADED) > CONTEXTS_PER_WORKER:
-        _LOADED.popitem(last=False)
-    return io, refresher
-
-
-def refresh_blobs(context_bytes: bytes, blobs: Sequence[bytes]) -> list[bytes]:
-    """In a worker: masked ciphertexts -> fresh ones (wire forms, :func:`seal_raw.dumps`)."""
-    from fedfm.crypto.seal_raw import dumps
-
-    io, client = _loaded("client", context_bytes)
-    fresh = client.refresh_many([io.load_ciphertext(blob) for blob in blobs])
-    return [dumps(ct) for ct in fresh]
-
-
-def encode_nested(value: Any) -> Any:
-    """Nested lists and tuples of SEAL ciphertexts as the same nesting of compact bytes."""
-    from fedfm.crypto.seal_raw import dumps
-
-    if isinstance(value, (list, tuple)):
-        return [encode_nested(item) for item in value]
-    return dumps(value)
-
-
-def decode_nested(io: Any, value: Any) -> Any:
-    """The inverse of :func:`encode_nested` for ``io``'s context (a ``SealIO``)."""
-    if isinstance(value, list):
-        return [decode_nested(io, item) for item in value]
-    return io.load_ciphertext(value)
-
-
-class _NoRefresh:
-    """A segment's refresher: segments are cut so that no level runs out inside them."""
-
-    def mask_many(self, cts: Sequence[Any]) -> Any:
-        raise ProtocolError("internal: a block segment sent to a worker needed a refresh")
-
-
-def run_segment(
-    context_path: str,
-    steps: Sequence[int],
-    function: Callable[..., Any],
-    inputs: Sequence[Any],
-    options: dict[str, Any],
-) -> tuple[Any, dict[str, Any]]:
-    """In a worker: ``function(circuit, *inputs, **options)`` on a circuit of the public context
-    saved at ``context_path``; ciphertexts travel as :func:`encode_nested` forms. Returns the
-    result and the operations it took (:meth:`CircuitStats.operations`)."""
-    from fedfm.crypto.circuit import Circuit, CircuitStats
-
-    status = os.stat(context_path)
-    key = (context_path, status.st_size, status.st_mtime_ns)
-    if key in _CIRCUITS:
-        _CIRCUITS.move_to_end(key)
-        circuit = _CIRCUITS[key]
-    else:
-        with open(context_path, "rb") as handle:
-            context = ts.context_from(handle.read())
-        circuit = Circuit(context, _NoRefresh())
-        circuit.declare_steps(steps)
-        _CIRCUITS[key] = circuit
-        while len(_CIRCUITS) > CONTEXTS_PER_WORKER:
-            _CIRCUITS.popitem(last=False)
-    circuit.stats = CircuitStats()
-    result = function(circuit, *(decode_nested(circuit.io, item) for item in inputs), **options)
-    return encode_nested(result), circuit.stats.operations()
-
-
-def mask_material_blobs(
-    context_bytes: bytes, mask_bits: int, count: int
-) -> list[tuple[bytes, bytes]]:
-    """In a worker: ``count`` pieces of mask material as bytes (:meth:`MaskMaterial.to_bytes`)."""
-    _, server = _loaded("server", context_bytes, mask_bits)
-    return [server.prepare().to_bytes() for _ in range(count)]
 
 
 class WorkerPool:

@@ -27,7 +27,10 @@ import numpy as np
 import tenseal as ts
 import tenseal.sealapi as sealapi
 
-from fedfm.crypto.ckks import (
+from fedfm.crypto import (
+    CKKS_8192,
+    CkksParameters,
+    SealIO,
     check_context_parameters,
     context_fingerprint,
     context_from_bytes,
@@ -35,8 +38,6 @@ from fedfm.crypto.ckks import (
     load_list,
     public_context_bytes,
 )
-from fedfm.crypto.params import CKKS_8192, CkksParameters
-from fedfm.crypto.seal_raw import SealIO
 from fedfm.errors import ConfigError, CryptoParameterError, ProtocolError
 from fedfm.protocols.helix.packing import FeatureMajor, ReplicatedRows, RowBlocks
 

@@ -45,7 +45,7 @@ from functools import partial
 
 import numpy as np
 
-from fedfm.crypto.params import CKKS_8192, CkksParameters
+from fedfm.crypto import CKKS_8192, CkksParameters
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.protocols.helix.ckks import ClientKeys, Payload, ProviderEvaluator, check_parameters
 from fedfm.protocols.helix.packing import (
