@@ -21,10 +21,10 @@ import functools
 from flwr.app import Context, RecordDict
 
 from fedfm.crypto import get_backend
-from fedfm.distillation.pipeline import DistillRun, load_data
 from fedfm.errors import ConfigError
 from fedfm.flower import codec
 from fedfm.flower.apps import make_client_app
+from fedfm.models.student import StudentSource
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -43,10 +43,10 @@ STATE_NAME = "fedfm.double_blind"  # context.state records <STATE_NAME>.arrays a
 
 @functools.lru_cache(maxsize=2)
 def _partitions(
-    distill_run: DistillRun, federation: Federation, eval_fraction: float
+    student: StudentSource, federation: Federation, eval_fraction: float
 ) -> tuple[ClientData, ...]:
     """Every client's data (cached: a process serves many messages and often many nodes)."""
-    splits, _ = load_data(distill_run)
+    splits, _ = student.load_data()
     protocol = DoubleBlindConfig(eval_fraction=eval_fraction)
     return tuple(federation_data(splits, federation, protocol))
 
@@ -70,7 +70,7 @@ def client_role(context: Context) -> DoubleBlindClient:
         alpha=settings.federation.alpha,
         seed=settings.federation.seed,
     )
-    data = _partitions(settings.distill_run, federation, settings.protocol.eval_fraction)
+    data = _partitions(settings.student, federation, settings.protocol.eval_fraction)
     return DoubleBlindClient(
         data[partition_id], get_backend(settings.protocol.backend), partition_id=partition_id
     )

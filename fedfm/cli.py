@@ -161,33 +161,55 @@ def _bench(args: argparse.Namespace) -> None:
     )
 
 
-def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> None:
+def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int | None = None) -> None:
+    """The protocol's options, with the defaults of the one table
+    (:mod:`fedfm.protocols.double_blind.defaults`); ``rounds`` overrides that default for a
+    command that deliberately runs fewer (its help says so)."""
+    from fedfm.protocols.double_blind.defaults import FEDERATION, PROTOCOL
+
     group = parser.add_argument_group("federated adaptation")
-    group.add_argument("--rounds", type=int, default=rounds)
-    group.add_argument("--clients", type=int, default=5, help="number of clients K")
-    group.add_argument("--partition", default="dirichlet", help="iid, dirichlet or natural")
-    group.add_argument("--alpha", type=float, default=1.0, help="Dirichlet concentration")
     group.add_argument(
-        "--batch-size", type=int, default=16, help="samples per batch n (at least 16, App. C)"
+        "--rounds",
+        type=int,
+        default=PROTOCOL.rounds if rounds is None else rounds,
+        help=None if rounds is None else f"default {rounds} here ({PROTOCOL.rounds} elsewhere)",
     )
-    group.add_argument("--batches-per-round", type=int, default=4)
-    group.add_argument("--rank", type=int, default=8, help="adapter rank (0: linear probing)")
+    group.add_argument(
+        "--clients", type=int, default=FEDERATION.num_clients, help="number of clients K"
+    )
+    group.add_argument("--partition", default=FEDERATION.scheme, help="iid, dirichlet or natural")
+    group.add_argument(
+        "--alpha", type=float, default=FEDERATION.alpha, help="Dirichlet concentration"
+    )
+    group.add_argument(
+        "--batch-size",
+        type=int,
+        default=PROTOCOL.batch_size,
+        help="samples per batch n (at least 16, App. C)",
+    )
+    group.add_argument("--batches-per-round", type=int, default=PROTOCOL.batches_per_round)
+    group.add_argument(
+        "--rank", type=int, default=PROTOCOL.rank, help="adapter rank (0: linear probing)"
+    )
     group.add_argument(
         "--reveal",
-        default="all",
+        default=PROTOCOL.reveal,
         help="blocks whose outputs the client sees: all, every-other, last-two, last or '2,4'",
     )
     group.add_argument(
         "--backend",
-        default="simulate",
+        default=PROTOCOL.backend,
         help="crypto backend: simulate (plaintext stand-in), ckks (TenSEAL, N=16384), ckks-8192",
     )
-    group.add_argument("--adapter-alpha", type=float, default=1.0, help="adapter scale (Eq. 5)")
+    group.add_argument(
+        "--adapter-alpha", type=float, default=PROTOCOL.alpha, help="adapter scale (Eq. 5)"
+    )
     group.add_argument(
         "--lr",
         type=float,
         default=None,
-        help="SGD learning rate (default 0.05 for ours and linear probing, 0.0025 for full FT)",
+        help=f"SGD learning rate (default {PROTOCOL.lr} for ours and linear probing, 0.0025 for "
+        "full FT)",
     )
     group.add_argument(
         "--lr-decay",
@@ -197,30 +219,35 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int) -> 
     group.add_argument(
         "--seed",
         type=int,
-        default=0,
+        default=FEDERATION.seed,
         help="seeds partitions, the server's sampling and permutations, and initialisations",
     )
     secagg = parser.add_argument_group("secure aggregation of the clients' updates")
     secagg.add_argument(
         "--secure-aggregation",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=PROTOCOL.secure_aggregation,
         help="the server learns only the weighted average of the updates (SecAgg+; default on)",
     )
     secagg.add_argument(
         "--secagg-clipping-range",
         type=float,
-        default=1.0,
+        default=PROTOCOL.secagg_clipping_range,
         help="each value of an update (new minus received parameters) is clipped to [-c, c]",
     )
-    secagg.add_argument("--secagg-bits", type=int, default=24, help="quantization bits")
     secagg.add_argument(
-        "--secagg-neighbours", type=int, default=0, help="SecAgg+ neighbours (0: all clients)"
+        "--secagg-bits", type=int, default=PROTOCOL.secagg_bits, help="quantization bits"
+    )
+    secagg.add_argument(
+        "--secagg-neighbours",
+        type=int,
+        default=PROTOCOL.secagg_neighbours,
+        help="SecAgg+ neighbours (0: all clients)",
     )
     secagg.add_argument(
         "--secagg-threshold",
         type=int,
-        default=0,
+        default=PROTOCOL.secagg_threshold,
         help="shares that rebuild a client's secrets (0: half its neighbours, plus one)",
     )
     parser.add_argument(
@@ -236,6 +263,7 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
     from fedfm.errors import ConfigError
     from fedfm.experiments.baselines import DEFAULT_FINETUNE_LR, FineTuneConfig, check_method
     from fedfm.protocols.double_blind.config import DoubleBlindConfig
+    from fedfm.protocols.double_blind.defaults import PROTOCOL
     from fedfm.protocols.double_blind.runner import Federation
 
     check_method(method)
@@ -244,7 +272,7 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
     if not args.alpha > 0:
         raise ConfigError(f"Dirichlet alpha must be > 0, got {args.alpha}")
     finetune_lr = args.lr if method == "full-finetune" and args.lr is not None else None
-    protocol_lr = args.lr if method != "full-finetune" and args.lr is not None else 0.05
+    protocol_lr = args.lr if method != "full-finetune" and args.lr is not None else PROTOCOL.lr
     config = DoubleBlindConfig(
         rounds=args.rounds,
         batch_size=args.batch_size,
@@ -533,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
         "adapt", help="federated adaptation in one process (ours, linear probing, full FT)"
     )
     _add_run_arguments(adapt, protocol=True)
-    _add_protocol_arguments(adapt, rounds=20)
+    _add_protocol_arguments(adapt)
     adapt.add_argument(
         "--method", choices=("ours", "linear-probe", "full-finetune"), default="ours"
     )
@@ -552,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-protocol", help="wall time, round trips and bytes per round; ours vs LP vs FT"
     )
     _add_run_arguments(bench_protocol, protocol=True)
-    _add_protocol_arguments(bench_protocol, rounds=20)
+    _add_protocol_arguments(bench_protocol)
     bench_protocol.add_argument("--results-dir", type=Path, default=Path("results"))
     bench_protocol.add_argument(
         "--repeats", type=int, default=4, help="runs of ours and of LP (ABBA order) for timing"
@@ -577,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-reveal", help="tap sets: accuracy against a curious client's fits"
     )
     _add_run_arguments(bench_reveal, protocol=True)
-    _add_protocol_arguments(bench_reveal, rounds=20)
+    _add_protocol_arguments(bench_reveal)
     bench_reveal.add_argument("--results-dir", type=Path, default=Path("results"))
     bench_reveal.add_argument(
         "--reveals", nargs="+", default=["all", "every-other", "last-two"], help="tap sets"

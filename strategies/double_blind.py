@@ -2,11 +2,11 @@
 
 :func:`main` reads the run config (keys and defaults in
 :data:`fedfm.protocols.double_blind.settings.DEFAULTS`), loads the distilled FHE-friendly student
-(distilling it first if the work directory has none), waits for the clients' nodes and runs
-:func:`~fedfm.protocols.double_blind.run_double_blind` over a :class:`FlowerTransport`, with
-aggregation through a Flower strategy (FedAvg by default). With secure aggregation (run config
-``secure-aggregation``, on by default) the strategy sees one train reply, the securely averaged
-adapter and head, instead of one per client.
+(refusing, with the `fedfm distill` command that makes it, if the work directory has none), waits
+for the clients' nodes and runs :func:`~fedfm.protocols.double_blind.run_double_blind` over a
+:class:`FlowerTransport`, with aggregation through a Flower strategy (FedAvg by default). With
+secure aggregation (run config ``secure-aggregation``, on by default) the strategy sees one train
+reply, the securely averaged adapter and head, instead of one per client.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import asdict
 from flwr.serverapp import Grid
 
 from fedfm.crypto import get_backend
-from fedfm.distillation.pipeline import load_data, obtain_student
 from fedfm.flower.apps import log_info, make_server_app
 from fedfm.flower.transport import FlowerTransport, wait_for_nodes
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
@@ -32,8 +31,9 @@ def run_adaptation(
     """Run double-blind adaptation with the nodes of ``grid``; return the per-round history."""
     settings = app_settings(run_config)
     strategy = make_strategy(settings.strategy)
-    splits, _ = load_data(settings.distill_run)
-    model = obtain_student(settings.distill_run, progress=False, log=log)
+    splits, _ = settings.student.load_data()
+    model = settings.student.load_student()  # refuses, naming `fedfm distill ...`, if absent
+    log(f"[fedfm] server model: FHE-friendly student {settings.student.student_path}")
     backend = get_backend(settings.protocol.backend)
     server = DoubleBlindServer(
         model, settings.protocol, backend, num_classes=splits.pool.num_classes, log=log

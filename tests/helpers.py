@@ -11,10 +11,10 @@ from fedfm.approx import calibrate
 from fedfm.approx.modules import clamped_count, reset_clamped
 from fedfm.approx.specs import ApproxConfig
 from fedfm.data import DataSplits
-from fedfm.distillation.pipeline import ApproxSettings, save_student
 from fedfm.errors import InvariantError
 from fedfm.models import ModelSpec
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
+from fedfm.models.student import ApproxSettings, save_student
 
 
 def tiny_fhe_vit(seed: int = 0) -> tuple[FheViT, torch.Tensor]:

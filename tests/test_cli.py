@@ -485,3 +485,35 @@ def test_a_student_distilled_for_another_dataset_is_refused(
     with pytest.raises(ConfigError, match="distilled for dataset 'digits' on 'aux' data"):
         obtain_student(run, log=lambda _line: None)
     assert isinstance(obtain_student(DistillRun(workdir=e2e.workdir), log=print), FheViT)
+
+
+@pytest.mark.parametrize("command", ["adapt", "bench-protocol", "bench-reveal", "bench-extraction"])
+def test_protocol_options_default_to_the_one_table(command: str) -> None:
+    """Every protocol option of every adaptation command defaults to the protocol's table; a
+    command that deliberately runs fewer rounds says so in its help."""
+    from fedfm.cli import build_parser
+    from fedfm.protocols.double_blind.config import DoubleBlindConfig
+    from fedfm.protocols.double_blind.runner import Federation
+
+    args = build_parser().parse_args([command])
+    config, federation = DoubleBlindConfig(), Federation()
+    expected = {
+        "batch_size": config.batch_size,
+        "batches_per_round": config.batches_per_round,
+        "rank": config.rank,
+        "reveal": config.reveal,
+        "backend": config.backend,
+        "adapter_alpha": config.alpha,
+        "lr_decay": config.lr_decay,
+        "secure_aggregation": config.secure_aggregation,
+        "secagg_clipping_range": config.secagg_clipping_range,
+        "secagg_bits": config.secagg_bits,
+        "secagg_neighbours": config.secagg_neighbours,
+        "secagg_threshold": config.secagg_threshold,
+        "clients": federation.num_clients,
+        "partition": federation.scheme,
+        "alpha": federation.alpha,
+        "seed": federation.seed,
+    }
+    assert {name: getattr(args, name) for name in expected} == expected
+    assert args.rounds == (3 if command == "bench-extraction" else config.rounds)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from fedfm.data import load_splits
-from fedfm.distillation.pipeline import load_data, load_student
+from fedfm.distillation.pipeline import load_student
 from fedfm.protocols.double_blind.runner import run_in_process
 from fedfm.protocols.double_blind.settings import app_settings
 from tests.helpers import save_micro_student
@@ -88,7 +88,6 @@ def run_config(student_dir: Path, checkpoint: Path, **changes: object) -> dict[s
         "max-samples": MAX_SAMPLES,
         "partition": "iid",
         "workdir": str(student_dir),
-        "cache-dir": str(student_dir / "cache"),
         "timeout": timeout,
         "connect-timeout": 60.0,
         "checkpoint-dir": str(checkpoint),
@@ -154,7 +153,7 @@ def federation(deploy, credentials, tmp_path_factory):
 def in_process_history(config: dict[str, object], student_dir: Path) -> list:
     """The in-process runner's history for the same run config and student."""
     settings = app_settings(config)
-    splits, _ = load_data(settings.distill_run)
+    splits, _ = settings.student.load_data()
     history, _ = run_in_process(
         load_student(student_dir / "student.pt"),
         splits,

@@ -30,7 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedfm.approx import calibrate
 from fedfm.crypto import SimulateBackend
 from fedfm.data import load_splits
-from fedfm.distillation.pipeline import ApproxSettings, load_data, load_student, save_student
+from fedfm.distillation.pipeline import ApproxSettings, load_student, save_student
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.flower.codec import envelope_to_message, envelope_to_reply, message_to_envelope
 from fedfm.flower.transport import FlowerTransport
@@ -50,7 +50,8 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_LOSS,
     TRAIN_SECAGG,
 )
-from fedfm.protocols.double_blind.runner import federation_data, run_in_process
+from fedfm.protocols.double_blind.defaults import PROTOCOL
+from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
 from fedfm.runtime.transport import Envelope, Failure
 from fedfm.secagg import STAGES, SecAggConfig
@@ -141,11 +142,28 @@ def test_app_pyproject_declares_the_components_and_every_default() -> None:
     assert "federations" not in flwr  # flwr run would migrate (rewrite) a legacy table
 
 
+def test_run_config_defaults_come_from_the_one_table() -> None:
+    """The apps' defaults are the protocol's and the federation's, not a copy of them."""
+    settings = app_settings({})
+    assert settings.protocol == DoubleBlindConfig(seed=0)
+    assert settings.federation == Federation()
+    assert DEFAULTS["rounds"] == DoubleBlindConfig().rounds == PROTOCOL.rounds
+
+
+def test_the_server_app_refuses_without_a_student_and_names_the_command(tmp_path) -> None:
+    """Distillation is the model owner's offline step: the ServerApp never runs it."""
+    empty = tmp_path / "no-student"
+    config = run_config(empty, dataset="digits", **{"max-samples": 40})
+    with pytest.raises(ConfigError, match=r"fedfm distill --workdir .*no-student --dataset digits"):
+        run_adaptation(None, config, log=lambda _line: None)  # type: ignore[arg-type]
+    assert not empty.exists()  # nothing was made on its behalf
+
+
 def test_run_config_is_checked() -> None:
     settings = app_settings({"rounds": 3, "dirichlet-alpha": 1, "timeout": 0.0})
     assert settings.protocol.rounds == 3 and settings.federation.alpha == 1.0
     assert settings.timeout is None and settings.checkpoint_dir is None
-    assert settings.distill_run.image_size is None  # 0: the model's own input size
+    assert settings.student.image_size is None  # 0: the model's own input size
     with pytest.raises(ConfigError, match="unknown run config keys"):
         app_settings({"round": 3})
     with pytest.raises(ConfigError, match="'rounds' must be int"):
@@ -284,7 +302,7 @@ def test_client_app_runs_setup_and_a_round_and_the_key_stays_in_context_state(
 def test_client_app_partition_k_holds_the_in_process_client_k_data(student_dir) -> None:
     config = run_config(student_dir)
     settings = app_settings(config)
-    splits, _ = load_data(settings.distill_run)
+    splits, _ = settings.student.load_data()
     expected = federation_data(splits, settings.federation, settings.protocol)
     for partition in range(3):
         role = client_role(node_context(100 + partition, partition, config))
@@ -538,7 +556,7 @@ def loopback(config: dict[str, object], silent: Iterable[int] = ()) -> LoopbackG
 def in_process_history(config: dict, student_dir: Path, checkpoint_dir: Path | None = None) -> list:
     """The in-process runner's history for the same run config and student."""
     settings = app_settings(config)
-    splits, _ = load_data(settings.distill_run)
+    splits, _ = settings.student.load_data()
     history, _ = run_in_process(
         load_student(student_dir / "student.pt"),
         splits,

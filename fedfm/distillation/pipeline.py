@@ -20,37 +20,23 @@ import torch
 
 from fedfm.approx.modules import calibrated_modules, clamped_count, reset_clamped
 from fedfm.approx.specs import ApproxConfig
-from fedfm.data import DataSplits, load_splits
+from fedfm.data import DataSplits
 from fedfm.data.photos import sample_photo_crops
 from fedfm.distillation.distill import DistillConfig, distill
 from fedfm.distillation.training import PretrainConfig, Scores, pretrain, score
-from fedfm.errors import CheckpointError, ConfigError
+from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import (
     DEFAULT_MODEL,
     ModelSpec,
-    check_model_name,
-    load_state_strict,
-    native_image_size,
     obtain_teacher,
-    read_checkpoint,
-    save_checkpoint,
 )
-
-STUDENT_FORMAT = "fedfm-student/1"
-
-
-@dataclass(frozen=True)
-class ApproxSettings:
-    """Plain approximation settings (command-line shaped); ``None`` keeps a function exact."""
-
-    exp_degree: int | None = 6
-    inverse_iterations: int | None = 7
-    inv_sqrt_iterations: int | None = 5
-    gelu: bool = True
-
-    def build(self) -> ApproxConfig:
-        return ApproxConfig.build(**asdict(self))
+from fedfm.models.student import (
+    ApproxSettings,
+    StudentSource,
+    load_student,
+    save_student,
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +56,20 @@ class DistillRun:
     workdir: Path = Path("runs/distill")
     cache_dir: Path = Path("runs/cache")
     distill_data: str = "aux"  # one of DISTILL_DATA: what the student is distilled on
+
+    @property
+    def source(self) -> StudentSource:
+        """Where this run's student lives and the data it is for (what the protocols load)."""
+        return StudentSource(
+            dataset=self.dataset,
+            data_root=self.data_root,
+            model=self.model,
+            image_size=self.image_size,
+            max_samples=self.max_samples,
+            seed=self.seed,
+            workdir=Path(self.workdir),
+            distill_data=self.distill_data,
+        )
 
 
 # What the student can be distilled on (the teacher is always pretrained on D_aux): ``aux``, the
@@ -97,16 +97,7 @@ def distillation_data(
 
 def load_data(run: DistillRun) -> tuple[DataSplits, int]:
     """The dataset splits at the model's input size, and that size."""
-    check_model_name(run.model)
-    image_size = run.image_size if run.image_size is not None else native_image_size(run.model)
-    splits = load_splits(
-        run.dataset,
-        image_size=image_size,
-        root=run.data_root,
-        seed=run.seed,
-        max_samples=run.max_samples,
-    )
-    return splits, image_size
+    return run.source.load_data()
 
 
 def teacher_for(
@@ -139,34 +130,6 @@ def teacher_for(
     )
 
 
-def save_student(path: Path, student: FheViT, spec: ModelSpec, settings: ApproxSettings) -> None:
-    """Write the student with what is needed to rebuild it (architecture + approximations)."""
-    save_checkpoint(
-        path,
-        {
-            "format": STUDENT_FORMAT,
-            "model": asdict(spec),
-            "approx": asdict(settings),
-            "state_dict": student.state_dict(),
-        },
-    )
-
-
-def load_student(path: str | Path) -> FheViT:
-    """Rebuild a distilled student from ``student.pt`` (weights and calibrated bounds)."""
-    payload = read_checkpoint(path, expected_format=STUDENT_FORMAT)
-    try:
-        spec = ModelSpec(**payload["model"])
-        approx = ApproxSettings(**payload["approx"]).build()
-    except (KeyError, TypeError) as error:
-        raise CheckpointError(
-            f"student checkpoint {path} has no valid model description"
-        ) from error
-    student = to_fhe_friendly(spec.build(), approx)
-    load_state_strict(student, payload["state_dict"], source=f"student checkpoint {path}")
-    return student.eval()
-
-
 def obtain_student(
     run: DistillRun, *, progress: bool = True, log: Callable[[str], None] = print
 ) -> FheViT:
@@ -178,31 +141,14 @@ def obtain_student(
         If the work directory's ``report.json`` says its student was distilled for another
         dataset or on other data than ``run`` asks for.
     """
-    path = Path(run.workdir) / "student.pt"
+    path = run.source.student_path
     if not path.exists():
         log(f"[fedfm] no student at {path}: running the distillation first")
         run_distillation(run, progress=progress, log=log)
     else:
-        _check_student_report(run)
+        run.source.check_report()
         log(f"[fedfm] server model: FHE-friendly student {path}")
     return load_student(path)
-
-
-def _check_student_report(run: DistillRun) -> None:
-    """Refuse a work directory whose report names another dataset or distillation data (a
-    student saved without a report, e.g. by hand, is taken as it is)."""
-    report_path = Path(run.workdir) / "report.json"
-    if not report_path.exists():
-        return
-    report = json.loads(report_path.read_text())
-    made = (report.get("dataset"), report.get("distill_data", "aux"))
-    wanted = (run.dataset, run.distill_data)
-    if made != wanted:
-        raise ConfigError(
-            f"the student in {run.workdir} was distilled for dataset {made[0]!r} on "
-            f"{made[1]!r} data, this run asks for {wanted[0]!r} on {wanted[1]!r}: give it its "
-            "own --workdir (or remove that folder)"
-        )
 
 
 def _scores(model: Callable[[torch.Tensor], torch.Tensor], splits: DataSplits) -> Scores:

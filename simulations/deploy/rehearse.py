@@ -19,7 +19,7 @@ ports in place of the sites' addresses:
 Each process has its own working folder and ``FLWR_HOME`` under the workspace (a temporary
 folder, deleted at the end, unless ``--workspace DIR``), with its log in ``process.log``. The
 ServerApp reads the distilled student from ``runs/distill`` (``fedfm distill``; without one it
-distills it first, which takes a few minutes more). The exit status is 0 only if Flower reports
+refuses to start and names that command). The exit status is 0 only if Flower reports
 the run ``finished:completed``; Ctrl-C stops every process.
 """
 
@@ -72,7 +72,6 @@ def rehearse(workspace: Path, nodes: int, overrides: dict[str, RunValue], *, kee
             "num-clients": nodes,
             "rounds": 1,
             "workdir": str(ROOT / "runs" / "distill"),
-            "cache-dir": str(ROOT / "runs" / "cache"),
         }
         # each message starts a ClientApp process (10-30 s under load); Flower drops a
         # message after its timeout, so the 30-s default of the SecAgg stages is too short

@@ -15,7 +15,8 @@ What it does, because Flower 1.41 needs it done:
   are given 30 s to follow, then ended;
 * ``flwr run simulations/double_blind fedfm-local --stream`` with ``K`` simulated SuperNodes
   (``--federation-config num-supernodes=K``; K clients in the run config too) and the paths
-  ``workdir``/``cache-dir`` made absolute; further arguments go to ``flwr run`` as they are,
+  ``workdir`` made absolute (the student ``fedfm distill`` wrote there; without one the script stops
+  before starting Flower, naming the command); further arguments go to ``flwr run`` as they are,
   e.g. ``--run-config "rounds=2 strategy='fedadam'"``;
 * the exit status is 0 only if Flower reports the run ``finished:completed``.
 """
@@ -127,10 +128,13 @@ def _run_status(env: dict[str, str], seconds: float = 30.0) -> str:
 
 def run(supernodes: int, home: Path, flwr_args: list[str]) -> int:
     """Start a SuperLink, run the double-blind app, stop the SuperLink; 0 if the run completed."""
-    defaults = (
-        f"num-clients={supernodes} workdir='{ROOT / 'runs/distill'}' "
-        f"cache-dir='{ROOT / 'runs/cache'}'"
-    )
+    workdir = ROOT / "runs" / "distill"
+    student = workdir / "student.pt"
+    if not any("workdir" in argument for argument in flwr_args) and not student.exists():
+        # the ServerApp would refuse too, after starting a SuperLink: say it now
+        print(f"[fedfm] no distilled student at {student}: run `fedfm distill` first")
+        return 2
+    defaults = f"num-clients={supernodes} workdir='{workdir}'"
     status = run_app(APP, supernodes, home, ["--run-config", defaults, *flwr_args])
     print(f"[fedfm] flwr run: {status}; SuperLink stopped")
     return 0 if status == "finished:completed" else 1

@@ -6,7 +6,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fedfm.errors import ConfigError
+from fedfm.protocols.double_blind.defaults import PROTOCOL
 from fedfm.secagg import SecAggConfig
+
+_DEFAULT = PROTOCOL  # the one table of defaults
 
 # Message types (Flower form: category.action). One source of truth for both ends.
 SETUP = "query.setup"
@@ -92,25 +95,25 @@ class DoubleBlindConfig:
         neighbours.
     """
 
-    rounds: int = 20
-    batch_size: int = 16
-    batches_per_round: int = 4
-    rank: int = 8
-    alpha: float = 1.0
-    lr: float = 0.05
-    momentum: float = 0.9
-    lr_decay: bool = False
+    rounds: int = _DEFAULT.rounds
+    batch_size: int = _DEFAULT.batch_size
+    batches_per_round: int = _DEFAULT.batches_per_round
+    rank: int = _DEFAULT.rank
+    alpha: float = _DEFAULT.alpha
+    lr: float = _DEFAULT.lr
+    momentum: float = _DEFAULT.momentum
+    lr_decay: bool = _DEFAULT.lr_decay
     min_batch_size: int = DEFAULT_MIN_BATCH_SIZE
     permute: bool = True
-    backend: str = "simulate"
-    eval_fraction: float = 0.2
-    reveal: str = "all"
+    backend: str = _DEFAULT.backend
+    eval_fraction: float = _DEFAULT.eval_fraction
+    reveal: str = _DEFAULT.reveal
     seed: int | None = None
-    secure_aggregation: bool = True
-    secagg_clipping_range: float = 1.0
-    secagg_bits: int = 24
-    secagg_neighbours: int = 0
-    secagg_threshold: int = 0
+    secure_aggregation: bool = _DEFAULT.secure_aggregation
+    secagg_clipping_range: float = _DEFAULT.secagg_clipping_range
+    secagg_bits: int = _DEFAULT.secagg_bits
+    secagg_neighbours: int = _DEFAULT.secagg_neighbours
+    secagg_threshold: int = _DEFAULT.secagg_threshold
 
     def __post_init__(self) -> None:
         if self.rounds < 1:

@@ -21,6 +21,7 @@ from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from fedfm.protocols.double_blind.defaults import FEDERATION
 from fedfm.protocols.double_blind.driver import Aggregator, RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.runtime.local import LocalNode
@@ -31,10 +32,10 @@ from fedfm.runtime.transport import Envelope, InProcessTransport
 class Federation:
     """How the clients' pool is split: K clients, partitioning scheme, Dirichlet alpha."""
 
-    num_clients: int = 5
-    scheme: str = "dirichlet"
-    alpha: float = 1.0
-    seed: int = 0
+    num_clients: int = FEDERATION.num_clients
+    scheme: str = FEDERATION.scheme
+    alpha: float = FEDERATION.alpha
+    seed: int = FEDERATION.seed
 
     def __post_init__(self) -> None:
         if self.num_clients < 1:

@@ -13,52 +13,39 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedfm.distillation.distill import DistillConfig
-from fedfm.distillation.pipeline import DistillRun
-from fedfm.distillation.training import PretrainConfig
 from fedfm.errors import ConfigError
 from fedfm.models.foundation import DEFAULT_MODEL
+from fedfm.models.student import StudentSource
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from fedfm.protocols.double_blind.defaults import FEDERATION, PROTOCOL
 from fedfm.protocols.double_blind.runner import Federation
 
 RunValue = int | float | str | bool
 
-# Every key the apps read, with its default; simulations/double_blind/pyproject.toml repeats them
-# (a test checks that both agree). Empty strings and zeros mean "not set" where noted in README.
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+# Every key the apps read, with its default: the protocol's and the federation's from the one
+# table (fedfm.protocols.double_blind.defaults), the rest belong to the apps alone.
+# simulations/double_blind/pyproject.toml repeats them (a test checks that both agree). Empty
+# strings and zeros mean "not set" where noted in README.
 DEFAULTS: dict[str, RunValue] = {
-    # protocol
-    "rounds": 10,
-    "batch-size": 16,
-    "batches-per-round": 4,
-    "rank": 8,
-    "alpha": 1.0,
-    "lr": 0.05,
-    "momentum": 0.9,
-    "lr-decay": False,
-    "backend": "simulate",
-    "eval-fraction": 0.2,
-    "reveal": "all",
-    "seed": 0,
-    # secure aggregation of the clients' updates (fedfm.secagg)
-    "secure-aggregation": True,
-    "secagg-clipping-range": 1.0,
-    "secagg-bits": 24,
-    "secagg-neighbours": 0,
-    "secagg-threshold": 0,
+    **{_kebab(name): value for name, value in PROTOCOL._asdict().items()},
+    # one seed for the data split, the partition and the protocol (see DoubleBlindConfig.seed)
+    "seed": FEDERATION.seed,
     # data and federation
-    "dataset": "digits",
+    "dataset": StudentSource.dataset,
     "data-root": "",
-    "num-clients": 5,
-    "partition": "dirichlet",
-    "dirichlet-alpha": 1.0,
-    # server model (the distilled student; distilled first when absent)
+    "num-clients": FEDERATION.num_clients,
+    "partition": FEDERATION.scheme,
+    "dirichlet-alpha": FEDERATION.alpha,
+    # the server's model: the distilled student in `workdir` (made offline by `fedfm distill`)
     "model": DEFAULT_MODEL,
     "image-size": 0,
     "max-samples": 0,
-    "workdir": "runs/distill",
-    "cache-dir": "runs/cache",
-    "teacher-epochs": 40,
-    "distill-epochs": 8,
+    "workdir": str(StudentSource.workdir),
     # the ServerApp's driver
     "strategy": "fedavg",
     "timeout": 300.0,
@@ -75,8 +62,10 @@ class AppSettings:
 
     Attributes
     ----------
-    distill_run:
-        Data loading and the server model: ``load_data`` and ``obtain_student`` read it.
+    student:
+        The server model's work directory and the data it was distilled for: the ServerApp loads
+        the student from it (refusing, with the command that makes it, when there is none); both
+        apps load the dataset splits with it.
     protocol:
         The protocol configuration the server sends at setup.
     federation:
@@ -97,7 +86,7 @@ class AppSettings:
         checkpoints, no resuming).
     """
 
-    distill_run: DistillRun
+    student: StudentSource
     protocol: DoubleBlindConfig
     federation: Federation
     strategy: str
@@ -133,17 +122,14 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
     seed = int(v["seed"])
     if seed < 0:
         raise ConfigError(f"run config 'seed' must be >= 0, got {seed}")
-    distill_run = DistillRun(
+    student = StudentSource(
         dataset=str(v["dataset"]),
         data_root=str(v["data-root"]) or None,
         model=str(v["model"]),
         image_size=int(v["image-size"]) or None,
         max_samples=int(v["max-samples"]) or None,
         seed=seed,
-        teacher=PretrainConfig(epochs=int(v["teacher-epochs"]), seed=seed),
-        distill=DistillConfig(epochs=int(v["distill-epochs"]), seed=seed),
         workdir=Path(str(v["workdir"])),
-        cache_dir=Path(str(v["cache-dir"])),
     )
     protocol = DoubleBlindConfig(
         rounds=int(v["rounds"]),
@@ -178,7 +164,7 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
     if int(v["min-clients"]) < 1:
         raise ConfigError(f"min-clients must be >= 1, got {v['min-clients']}")
     return AppSettings(
-        distill_run=distill_run,
+        student=student,
         protocol=protocol,
         federation=federation,
         strategy=str(v["strategy"]),
