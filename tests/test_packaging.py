@@ -27,6 +27,15 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("fedfm.experiments",),
     ("fedfm.cli",),
 )
+# Inside fedfm.crypto (its __init__ docstring explains them): a module imports crypto modules of
+# its own layer or below, never above.
+CRYPTO_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("backend", "simulate", "params"),
+    ("seal_memory", "seal_raw", "rns_linear"),
+    ("workers", "refresh", "circuit"),
+    ("packing", "benes", "ckks_vit"),
+    ("ckks",),
+)
 ROOT_MODULE_LIMIT = 4  # modules at the root of fedfm/ besides __init__.py
 
 
@@ -141,6 +150,35 @@ def test_every_library_module_is_on_a_floor_and_imports_only_downwards() -> None
     assert offenders == []
 
 
+def test_crypto_modules_import_only_their_layer_or_below() -> None:
+    layer = {name: index for index, names in enumerate(CRYPTO_LAYERS) for name in names}
+    crypto = [m for m in _graph() if m.startswith("fedfm.crypto.")]
+    assert sorted(m.rsplit(".", 1)[1] for m in crypto) == sorted(layer), "a module on no layer"
+    offenders = [
+        f"{module} imports {target}"
+        for module in crypto
+        for target in _graph()[module]
+        if target == "fedfm.crypto"  # a submodule never runs the package's __init__ on purpose
+        or (
+            target.startswith("fedfm.crypto.")
+            and layer[target.rsplit(".", 1)[1]] > layer[module.rsplit(".", 1)[1]]
+        )
+    ]
+    assert offenders == []
+    assert not any(t.startswith("fedfm.crypto") for t in _graph()["fedfm.crypto.workers"])
+
+
+def test_helix_uses_only_the_public_crypto_api() -> None:
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        if module.startswith("fedfm.protocols.helix")
+        for target in targets
+        if target.startswith("fedfm.crypto.")
+    ]
+    assert offenders == []
+
+
 def test_protocols_stay_apart_and_never_import_distillation() -> None:
     offenders = []
     for module, targets in _graph().items():
@@ -238,3 +276,13 @@ def test_library_code_raises_invariant_errors_instead_of_asserting() -> None:
         if isinstance(node, ast.Assert)
     ]
     assert offenders == []
+
+
+def test_the_lazy_double_blind_package_exports_what_it_lists() -> None:
+    """fedfm.protocols.double_blind loads its names on first use (the CLI reads its defaults
+    without torch); every listed name must resolve, from the module its table names."""
+    import fedfm.protocols.double_blind as package
+
+    assert sorted(package.__all__) == sorted(package._HOME)
+    for name in package.__all__:
+        assert getattr(package, name).__module__.endswith(package._HOME[name])

@@ -151,7 +151,7 @@ class WorkerPool:
         """The worker processes' ids (none before the first job starts them or after
         :meth:`close`)."""
         processes = self._executor._processes or {}  # None once the executor shut down
-        return [process.pid for process in processes.values()]
+        return [process.pid for process in processes.values() if process.pid is not None]
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -40,9 +40,9 @@ class FlowerTransport:
         replies = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while waiting:
-            for reply in self.grid.pull_messages(sorted(waiting)):
-                waiting.discard(reply.metadata.reply_to_message_id)
-                replies[node_of[reply.metadata.reply_to_message_id]] = reply
+            for message in self.grid.pull_messages(sorted(waiting)):
+                waiting.discard(message.metadata.reply_to_message_id)
+                replies[node_of[message.metadata.reply_to_message_id]] = message
             if not waiting or (deadline is not None and time.monotonic() >= deadline):
                 break
             time.sleep(self.poll_interval)

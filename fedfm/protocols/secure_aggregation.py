@@ -24,6 +24,7 @@ import numpy as np
 from fedfm.errors import ProtocolError
 from fedfm.runtime.transport import Envelope, Failure, Transport
 from fedfm.secagg import ArrayLayout, SecAggConfig, SecAggServer, decode_reply
+from fedfm.secagg.messages import Request
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def run_secure_aggregation(
     labels = {node: label for label, node in enumerate(sorted(node_ids), start=1)}
     nodes = {label: node for node, label in labels.items()}
     server = SecAggServer(config, layout, round_id=round_id)
-    requests = server.start(nodes)
+    requests: Mapping[int, Request] = server.start(nodes)
     reasons: dict[int, str] = {}
     trips = 0
     while requests:

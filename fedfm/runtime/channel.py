@@ -93,7 +93,8 @@ def read_header(frame: bytes) -> tuple[FrameHeader, int]:
             raise ChannelError("malformed frame: a role or step name is not UTF-8") from None
         offset += length
     sequence = int.from_bytes(frame[offset : offset + _SEQUENCE_BYTES], "big")
-    return FrameHeader(*names, sequence), offset + _SEQUENCE_BYTES
+    sender, receiver, step = names
+    return FrameHeader(sender, receiver, step, sequence), offset + _SEQUENCE_BYTES
 
 
 @dataclass(frozen=True)

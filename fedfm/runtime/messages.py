@@ -68,7 +68,7 @@ def roster_to_config(bundles: Sequence[KeyBundle]) -> dict[str, ConfigValue]:
 
 def roster_from_config(config: Mapping[str, ConfigValue]) -> list[KeyBundle] | None:
     """The roster in a step request, or ``None`` if the request carries none."""
-    bundles = []
+    bundles: list[KeyBundle] = []
     while f"{ROSTER}.{len(bundles)}.roles" in config:
         bundles.append(bundle_from_config(config, f"{ROSTER}.{len(bundles)}"))
     return bundles or None

@@ -49,6 +49,14 @@ def no_inputs(role: str) -> Mapping[str, np.ndarray]:
     return {}
 
 
+def _bytes(config: Mapping[str, ConfigValue], key: str) -> bytes:
+    """A bytes value of a stored state; a damaged state is named."""
+    value = config.get(key)
+    if not isinstance(value, bytes):
+        raise ProtocolError(f"a damaged node state: {key!r} is not bytes")
+    return value
+
+
 @dataclass(frozen=True)
 class NodeState:
     """Everything a node keeps between requests (secrets included; it never leaves the node)."""
@@ -80,19 +88,19 @@ class NodeState:
         cls, arrays: Mapping[str, np.ndarray], config: Mapping[str, ConfigValue]
     ) -> NodeState:
         """The inverse of :meth:`to_records`."""
-        state = cls(session=bytes(config["session"]), private_key=bytes(config["private_key"]))
+        state = cls(session=_bytes(config, "session"), private_key=_bytes(config, "private_key"))
         for key, value in config.items():
             kind, _, rest = key.partition(".")
             if kind == "key":
-                state.session_keys[rest] = bytes(value)  # type: ignore[arg-type]
+                state.session_keys[rest] = _bytes(config, key)
             elif kind in ("sent", "received"):
                 sender, _, receiver = rest.partition(".")
                 getattr(state, kind)[(sender, receiver)] = int(value)
             elif kind == "next":
                 state.next_step[rest] = int(value)
-        for key, value in arrays.items():
+        for key, array in arrays.items():
             role, _, name = key.partition(".")
-            state.role_state.setdefault(role, {})[name] = value
+            state.role_state.setdefault(role, {})[name] = array
         return state
 
 
@@ -207,16 +215,16 @@ class NodeRuntime:
         own_key = public_key_of(state.private_key)
         keys = {}
         for role in sorted(self.roles | self.protocol.peers(self.roles)):
-            bundle = by_role.get(role)
-            if bundle is None:
+            found = by_role.get(role)
+            if found is None:
                 raise IdentityError(f"the roster has no session key for role {role!r}")
-            if role in self.roles and bundle.session_key != own_key:
+            if role in self.roles and found.session_key != own_key:
                 raise IdentityError(
                     f"the roster gives this node's role {role!r} a session key that is not "
                     "this node's"
                 )
-            bundle.verify(role, self.pins, self.digest, state.session)
-            keys[role] = bundle.session_key
+            found.verify(role, self.pins, self.digest, state.session)
+            keys[role] = found.session_key
         return keys
 
     def _step(self, envelope: Envelope, state: NodeState) -> tuple[Envelope, NodeState]:

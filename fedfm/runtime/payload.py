@@ -30,7 +30,7 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
                 f"array {name!r} has dtype {array.dtype}; messages carry numeric and bool arrays"
             )
         entries.append([name, array.dtype.str, list(array.shape)])
-        bodies.append(array.reshape(-1).view(np.uint8))  # a view: join makes the only copy
+        bodies.append(array.reshape(-1).view(np.uint8).data)  # a view: join makes the only copy
     header = json.dumps(entries, separators=(",", ":")).encode()
     return b"".join([MAGIC, len(header).to_bytes(_LENGTH_BYTES, "big"), header, *bodies])
 

@@ -90,7 +90,9 @@ def seal(key: bytes, plaintext: bytes, associated_data: bytes) -> bytes:
     return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, associated_data)
 
 
-def open_sealed(key: bytes, ciphertext: bytes, associated_data: bytes, what: str) -> bytes:
+def open_sealed(
+    key: bytes, ciphertext: bytes | memoryview, associated_data: bytes, what: str
+) -> bytes:
     """Decrypt :func:`seal` output; :class:`ProtocolError` if it was altered or misaddressed."""
     nonce, body = ciphertext[:NONCE_BYTES], ciphertext[NONCE_BYTES:]
     try:

@@ -293,7 +293,8 @@ def _query(settings: HelixSettings, context: RoleContext) -> None:
         values = queries
         extra = {MAP_WEIGHT: mapping.weight, MAP_BIAS: mapping.bias}
     keys = ClientKeys.generate(settings.ckks, allow_insecure=settings.allow_insecure)
-    layout = inference_layout(settings.packing, *values.shape, keys.slots)
+    count, features = values.shape
+    layout = inference_layout(settings.packing, count, features, keys.slots)
     context.state[INFERENCE_KEYS] = keys.secret_state()
     context.state[QUERY_LAYOUT] = np.asarray(
         [LAYOUT_CODES[layout.name], *values.shape], dtype=np.int64
