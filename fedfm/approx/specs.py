@@ -113,7 +113,7 @@ class NewtonInvSqrtSpec:
     ``y <- 1.5 y - 0.5 u y**3`` (no division: only additions and multiplications). Each iteration
     costs two levels (``0.5 u * y`` and ``y**2`` in parallel, then their product). The iteration
     converges quadratically once close; on ``(0.01, 1]`` five iterations give a relative error
-    below 2e-3 and six below 1e-5 (``tests/test_approx.py`` checks the stated bound).
+    below 2e-3 and six below 1e-5 (``tests/approx/test_approx.py`` checks the stated bound).
     Used for LayerNorm's ``1/sqrt(var + eps)`` after scaling the variance by a calibrated bound.
     """
 

@@ -3,7 +3,7 @@
 SEAL's Python bindings (``tenseal.sealapi``) expose no bulk coefficient access: objects only
 ``save`` to and ``load`` from files. This module parses and builds those files.
 
-Layout (SEAL 4.x as built into TenSEAL 0.3.18, checked by ``tests/test_refresh.py``)
+Layout (SEAL 4.x as built into TenSEAL 0.3.18, checked by ``tests/crypto/test_refresh.py``)
 ---------------------------------------------------------------------------------------
 Every saved object is a 16-byte header (``uint16`` magic ``0xA15E``, ``uint8`` header size 16,
 ``uint8`` version major, ``uint8`` version minor, ``uint8`` compression mode 0 none / 1 zlib /

@@ -11,7 +11,7 @@ own ``FLWR_HOME`` and working folder under one workspace, as if on separate mach
 process starts in a session (process group) of its own, and :meth:`LocalFederation.close` ends
 the groups, then any process that inherited this federation's ``FEDFM_DEPLOYMENT`` environment
 marker (Flower starts its SuperExec in a session of its own). ``rehearse.py`` and
-``tests/test_deployment.py`` build on it.
+``tests/flower/test_deployment.py`` build on it.
 """
 
 from __future__ import annotations

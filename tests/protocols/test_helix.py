@@ -35,7 +35,9 @@ from fedfm.protocols.helix.ridge import AlignmentStatistics, fit_from_statistics
 from fedfm.runtime import Protocol, RoleContext, Step, run_in_process
 from fedfm.runtime.settings import RUN_CONFIG_DEFAULTS
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.ckks  # HELIX runs under CKKS (TenSEAL); a few plaintext checks ride along
+
+ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "simulations" / "helix"
 CLIENT = client_role(0)
 TOLERANCE = 1e-3  # relative; CKKS at scale 2^40 gives about 1e-8 here

@@ -23,6 +23,8 @@ from fedfm.crypto.workers import WORKERS_VARIABLE, configured_workers, discard_p
 from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import to_fhe_friendly
 
+pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
+
 GEOMETRY = ModelGeometry(tokens=5, patch_size=4)
 
 

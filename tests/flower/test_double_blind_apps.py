@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tomllib
@@ -66,9 +65,9 @@ from fedfm_strategies.aggregation import (
     task_identity,
 )
 from fedfm_strategies.double_blind import run_adaptation
-from tests.helpers import save_micro_student
+from tests.helpers import processes_with, save_micro_student
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "simulations" / "double_blind"
 IMAGE = 16
 QUIET = {"log": lambda _: None}
@@ -453,8 +452,7 @@ class RecordingFedAvg(FedAvg):
 
 def test_custom_strategies_are_used_and_checked(monkeypatch) -> None:
     arrays, moved = updates()
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    strategy = make_strategy(f"{Path(__file__).stem}:RecordingFedAvg")
+    strategy = make_strategy(f"{__name__}:RecordingFedAvg")
     result = StrategyAggregator(strategy).aggregate(4, arrays, moved)
     assert strategy.calls == [
         ("configure_train", 4, [11, 12, 13]),
@@ -623,19 +621,6 @@ def test_flower_transport_turns_silence_and_errors_into_failures(student_dir) ->
 # -- flwr run ------------------------------------------------------------------------------------
 
 
-def processes_with(marker: str) -> list[str]:
-    """Live processes whose environment contains ``marker`` (zombies have no environment)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
-            try:
-                if marker.encode() in (entry / "environ").read_bytes():
-                    found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                continue
-    return found
-
-
 def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir, tmp_path) -> None:
     home = tmp_path / "flwr-home"
     config = run_config(student_dir, **{"checkpoint-dir": str(tmp_path / "checkpoint")})
@@ -692,6 +677,7 @@ def micro_student_dir(tmp_path_factory) -> Path:
     return save_micro_student(tmp_path_factory.mktemp("micro"), splits)
 
 
+@pytest.mark.ckks
 @pytest.mark.slow
 def test_double_blind_runs_end_to_end_under_ckks_over_flower_messages(micro_student_dir) -> None:
     """Two clients, one round, one batch of 16 under real CKKS (N = 8192, masked refreshes):

@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 import tenseal as ts
 import torch
-from timm.models.vision_transformer import VisionTransformer
 
-from fedfm.approx import calibrate
 from fedfm.approx.modules import clamped_count, reset_clamped
 from fedfm.approx.specs import ApproxConfig
 from fedfm.crypto import (
@@ -31,8 +29,11 @@ from fedfm.crypto.ckks import CkksBackend, CkksEvaluator, CkksKeyOwner, _digest,
 from fedfm.crypto.packing import SlotLayout
 from fedfm.crypto.simulate import SimulateBackend
 from fedfm.errors import ConfigError, CryptoParameterError, ModelError, ProtocolError
-from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
+from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from tests.helpers import tiny_fhe_vit
+
+pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
 
 GEOMETRY = ModelGeometry(tokens=5, patch_size=4)
 TOLERANCE = 1e-4
@@ -56,26 +57,7 @@ def evaluator(backend: CkksBackend, owner: CkksKeyOwner) -> CkksEvaluator:
 @pytest.fixture(scope="module")
 def tiny() -> tuple[FheViT, torch.Tensor]:
     """A calibrated FHE-friendly ViT on 8x8 images in 4x4 patches (5 tokens) and its images."""
-    torch.manual_seed(0)
-    vit = VisionTransformer(
-        img_size=8, patch_size=4, embed_dim=8, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=3
-    )
-    with torch.no_grad():  # timm's tiny initial class token would leave LayerNorm's domain
-        vit.pos_embed.normal_(0.0, 0.5)
-        vit.cls_token.normal_(0.0, 1.0)
-        # timm starts with tiny linear weights, zero biases and unit norms: attention would be
-        # uniform and biases would not matter; make every parameter count
-        for name, parameter in vit.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(0.0, 0.3)
-            elif "norm" in name:
-                parameter.normal_(1.0, 0.3)
-            elif "blocks" in name:
-                parameter.normal_(0.0, 0.5)
-    model = to_fhe_friendly(vit, ApproxConfig()).eval()
-    images = torch.rand(24, 3, 8, 8)
-    calibrate(model, [images])
-    return model, images
+    return tiny_fhe_vit()
 
 
 def _values(*shape: int, seed: int = 0) -> np.ndarray:

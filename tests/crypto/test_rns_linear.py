@@ -17,6 +17,8 @@ from fedfm.crypto.rns_linear import (
 from fedfm.crypto.seal_raw import primes_of
 from fedfm.errors import ProtocolError
 
+pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
+
 # CKKS primes just below a power of two (the shortcut of times_power_of_two) and moduli far from
 # one (its general path)
 MODULI = [(1 << 40) - 87, (1 << 58) - 93, (1 << 60) - 87, (1 << 39) + 12345, (1 << 59) + 4321]

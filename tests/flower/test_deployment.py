@@ -27,7 +27,7 @@ from fedfm.protocols.double_blind.runner import run_in_process
 from fedfm.protocols.double_blind.settings import app_settings
 from tests.helpers import save_micro_student
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "simulations" / "deploy"
 NODES = 3
 MAX_SAMPLES = 360  # 120 pool samples per node: at least one train and one evaluate batch of 16
@@ -285,6 +285,7 @@ def test_supernodes_without_the_right_certificate_or_key_are_refused(
 # -- CKKS (opt-in) -------------------------------------------------------------------------------
 
 
+@pytest.mark.ckks
 @pytest.mark.slow
 @only_if_slow_selected
 def test_three_supernodes_run_a_round_under_ckks(federation, student_dir, tmp_path) -> None:

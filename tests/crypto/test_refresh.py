@@ -41,6 +41,8 @@ from fedfm.crypto.seal_raw import (
 )
 from fedfm.errors import CryptoParameterError, ProtocolError
 
+pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
+
 SMALL = (58, 40, 40, 60)  # N = 8192: top [q0, q1, q2], refresh [q0, q1], one level between
 DEEP = (58, 40, 40, 40, 40, 40, 40, 40, 40, 60)  # N = 16384, 438 bits
 SCALE = 2.0**40
