@@ -16,7 +16,8 @@ For a pair of encoders (provider ``g_A``, client ``g_B``), each fitted on its ow
   ``(W*, b*)``, a logistic regression with 5-fold stratified cross-validation; chance is 0.5.
 
 Every map here is :func:`fedfm.protocols.helix.ridge.fit_alignment`, the function the encrypted
-protocol reproduces (``tests/protocols/test_helix.py`` checks they agree), so the metrics are the protocol's.
+protocol reproduces (``tests/protocols/test_helix.py`` checks they agree), so the metrics are the
+protocol's.
 """
 
 from __future__ import annotations

@@ -21,10 +21,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedfm.errors import ProtocolError
-from fedfm.runtime.transport import Envelope, Failure, Transport
-from fedfm.secagg import ArrayLayout, SecAggConfig, SecAggServer, decode_reply
-from fedfm.secagg.messages import Request
+from fedfm.errors import ConfigError, ProtocolError
+from fedfm.runtime.local import LocalNode
+from fedfm.runtime.transport import Envelope, Failure, InProcessTransport, Transport
+from fedfm.secagg import (
+    ArrayLayout,
+    ClientSecAggState,
+    ClientUpdate,
+    SecAggConfig,
+    SecAggServer,
+    decode_reply,
+    decode_request,
+)
+from fedfm.secagg import handle as handle_secagg
+from fedfm.secagg.messages import STAGE_KEY, Request
+
+# The message type of SecAgg's stages when it runs alone (protocols pass their own).
+IN_PROCESS_MESSAGE_TYPE = "train.secagg"
 
 
 @dataclass(frozen=True)
@@ -121,3 +134,61 @@ def _dropouts(
 ) -> dict[int, str]:
     """The server's dropouts in transport ids, with the transport's reason where it has one."""
     return {nodes[label]: reasons.get(nodes[label], reason) for label, reason in by_label.items()}
+
+
+class SecAggClientRole:
+    """A client of secure aggregation alone, as a node role (:class:`~fedfm.runtime.transport.
+    NodeRole`): it answers each stage's request for the update it was given. Protocols that run
+    SecAgg after their own steps answer these requests inside their own role instead (the
+    double-blind client does); this role serves :func:`run_in_process` and tests."""
+
+    def __init__(self, update: ClientUpdate) -> None:
+        self.update = update
+
+    def handle(
+        self, envelope: Envelope, state: ClientSecAggState
+    ) -> tuple[Envelope, ClientSecAggState]:
+        request = decode_request(envelope.arrays, envelope.config)
+        reply, new_state = handle_secagg(state, request, update=self.update)
+        arrays, config = reply.to_records()
+        return Envelope(envelope.message_type, envelope.node_id, envelope.round, arrays, config), (
+            new_state
+        )
+
+
+def run_in_process(
+    config: SecAggConfig,
+    updates: Mapping[int, ClientUpdate],
+    *,
+    round_id: int = 0,
+    dropouts: Mapping[str, Collection[int]] | None = None,
+    message_type: str = IN_PROCESS_MESSAGE_TYPE,
+) -> SecureAggregation:
+    """One round of secure aggregation of ``updates`` (node id to update) in this process.
+
+    The clients are the runtime's in-process nodes (:class:`~fedfm.runtime.local.LocalNode`: each
+    keeps only its state's records between stages, as in Flower's ``context.state``) behind an
+    :class:`~fedfm.runtime.transport.InProcessTransport`; ``dropouts`` maps a stage to the nodes
+    that never answer its request (they crash or time out on receiving it).
+    """
+    if not updates:
+        raise ConfigError("a round needs at least one client update")
+    silent = {stage: set(nodes) for stage, nodes in (dropouts or {}).items()}
+
+    def drop(envelope: Envelope) -> bool:
+        return envelope.node_id in silent.get(str(envelope.config.get(STAGE_KEY)), ())
+
+    handlers = {
+        node: LocalNode(SecAggClientRole(update), ClientSecAggState)
+        for node, update in updates.items()
+    }
+    return run_secure_aggregation(
+        InProcessTransport(dict(handlers), drop=drop),
+        sorted(updates),
+        ArrayLayout.of(next(iter(updates.values())).arrays),
+        config,
+        message_type=message_type,
+        round_id=round_id,
+        timeout=None,
+        log=lambda _line: None,
+    )

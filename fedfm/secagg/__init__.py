@@ -40,7 +40,6 @@ from fedfm.secagg.client import (
     unmask,
 )
 from fedfm.secagg.config import ClientSettings, RoundParameters, SecAggConfig
-from fedfm.secagg.driver import InProcessRound, run_in_process
 from fedfm.secagg.graph import harary_graph, neighbour_degree, random_neighbour_graph
 from fedfm.secagg.layout import ArrayLayout
 from fedfm.secagg.masking import expand_mask
@@ -80,7 +79,6 @@ __all__ = [
     "ClientSecAggState",
     "ClientSettings",
     "ClientUpdate",
-    "InProcessRound",
     "MaskedInputReply",
     "MaskedInputRequest",
     "NeighbourKeys",
@@ -104,7 +102,6 @@ __all__ = [
     "harary_graph",
     "neighbour_degree",
     "random_neighbour_graph",
-    "run_in_process",
     "share_keys",
     "stage_of",
     "unmask",

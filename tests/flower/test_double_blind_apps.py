@@ -52,10 +52,10 @@ from fedfm.protocols.double_blind.config import (
 from fedfm.protocols.double_blind.defaults import PROTOCOL
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
+from fedfm.protocols.secure_aggregation import run_in_process as secure_aggregate
 from fedfm.runtime.transport import Envelope, Failure
 from fedfm.secagg import STAGES, SecAggConfig
 from fedfm.secagg import ClientUpdate as MaskedUpdate
-from fedfm.secagg import run_in_process as secure_aggregate
 from fedfm_clients.double_blind import app as client_app
 from fedfm_clients.double_blind import client_role, load_state, save_state
 from fedfm_strategies.aggregation import (

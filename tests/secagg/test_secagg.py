@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.protocols.secure_aggregation import run_in_process
 from fedfm.secagg import (
     ADVERTISE_KEYS,
     COLLECT_MASKED_INPUT,
@@ -19,7 +20,6 @@ from fedfm.secagg import (
     ArrayLayout,
     ClientSecAggState,
     ClientUpdate,
-    InProcessRound,
     MaskedInputReply,
     MaskedInputRequest,
     Quantizer,
@@ -37,12 +37,12 @@ from fedfm.secagg import (
     harary_graph,
     neighbour_degree,
     random_neighbour_graph,
-    run_in_process,
     share_keys,
     unmask,
 )
 from fedfm.secagg.messages import CIPHERTEXT_BYTES
 from fedfm.secagg.sharing import SHARE_BYTES
+from tests.secagg.support import InProcessRound
 
 CLIP = 1.0
 BITS = 16  # one step (3e-5) is far above float32 rounding, so the bound is the quantization's
@@ -158,7 +158,7 @@ def test_a_dropout_at_any_stage_leaves_a_correct_aggregate(
     result = run_in_process(settings, updates, dropouts={stage: [dropped]})
     included = [n for n in updates if n != dropped or included_after_drop]
     assert_is_average_of(result, updates, included, settings)
-    assert result.dropouts == {dropped: f"no reply to {stage}"}
+    assert result.dropouts == {dropped: f"{stage}: no reply before the timeout"}
 
 
 def test_dropouts_at_every_stage_in_one_round():

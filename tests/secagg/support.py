@@ -1,4 +1,8 @@
-"""A whole secure-aggregation round in one process, for tests and benchmarks.
+"""A secure-aggregation round stage by stage, for tests that inspect or alter what travels.
+
+The library's in-process run (:func:`fedfm.protocols.secure_aggregation.run_in_process`) goes
+over the runtime's transport and in-process nodes; this stepper exposes each stage's requests
+and replies instead, so a test can play a misbehaving server between stages.
 
 Every request, reply and client state goes through its ``(arrays, config)`` records on the way,
 as it would through Flower, so a round here exercises the same encoding a deployment uses.
@@ -83,14 +87,3 @@ class InProcessRound:
 
     def client_state(self, node: int) -> ClientSecAggState:
         return ClientSecAggState.from_records(*self.states[node])
-
-
-def run_in_process(
-    config: SecAggConfig,
-    updates: Mapping[int, ClientUpdate],
-    *,
-    round_id: int = 0,
-    dropouts: Mapping[str, Collection[int]] | None = None,
-) -> SecAggResult:
-    """Run one round for ``updates`` (node id to update) with the given dropouts per stage."""
-    return InProcessRound(config, updates, round_id=round_id, dropouts=dropouts).run()
