@@ -220,7 +220,8 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int | No
         "--seed",
         type=int,
         default=FEDERATION.seed,
-        help="seeds partitions, the server's sampling and permutations, and initialisations",
+        help="seeds partitions and, in these in-process runs where you play every party, the "
+        "server's draws (reproducible, not secret; a Flower run's server keys its own)",
     )
     secagg = parser.add_argument_group("secure aggregation of the clients' updates")
     secagg.add_argument(
@@ -281,7 +282,6 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
         alpha=args.adapter_alpha,
         lr=protocol_lr,
         lr_decay=args.lr_decay,
-        seed=args.seed,
         backend=args.backend,
         reveal=args.reveal,
         secure_aggregation=args.secure_aggregation,
@@ -319,6 +319,7 @@ def _adapt(args: argparse.Namespace) -> None:
         config,
         federation,
         finetune=finetune,
+        seed=args.seed,
         checkpoint_dir=args.checkpoint_dir,
     )
     for record in result.history:
