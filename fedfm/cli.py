@@ -6,6 +6,7 @@
 ``fedfm adapt``    federated adaptation in one process: ours, linear probing or full fine-tuning.
 ``fedfm bench-protocol``    cost per FL round and accuracy of ours vs linear probing vs full FT.
 ``fedfm bench-extraction``  model-extraction attacks from a curious client's view (App. C).
+``fedfm red-team``  every attack on fedfm's promises against the current code, with its outcome.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
@@ -377,6 +378,23 @@ def _bench_extraction(args: argparse.Namespace) -> None:
     )
 
 
+def _red_team(args: argparse.Namespace) -> None:
+    from fedfm.experiments.red_team import run_red_team
+
+    extraction = None
+    if not args.skip_extraction:
+        config, federation, _ = _protocol_from_args(args)
+        extraction = (_run_from_args(args, args.workdir), config, federation)
+    results = run_red_team(
+        extraction=extraction, results_dir=args.results_dir, command=args.command_line
+    )
+    succeeded = [r.name for r in results if r.outcome != "defended"]
+    print(
+        f"[fedfm] red team: {len(results) - len(succeeded)} of {len(results)} defended; "
+        f"succeeding: {', '.join(succeeded) or 'none'}"
+    )
+
+
 def _bench_reveal(args: argparse.Namespace) -> None:
     from fedfm.experiments.bench_protocol import run_reveal_benchmark
 
@@ -601,6 +619,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-mlp", action="store_true", help="skip the MLP fit of attack (b) (faster)"
     )
     bench_extraction.set_defaults(handler=_bench_extraction)
+
+    red_team = commands.add_parser(
+        "red-team",
+        help="every attack on fedfm's promises against the current code (results/red_team.*)",
+    )
+    _add_run_arguments(red_team, protocol=True)
+    _add_protocol_arguments(red_team, rounds=3)
+    red_team.add_argument("--results-dir", type=Path, default=Path("results"))
+    red_team.add_argument(
+        "--skip-extraction",
+        action="store_true",
+        help="leave out the extraction attacks (they need the distilled student in --workdir)",
+    )
+    red_team.set_defaults(handler=_red_team)
 
     bench_reveal = commands.add_parser(
         "bench-reveal", help="tap sets: accuracy against a curious client's fits"

@@ -410,7 +410,7 @@ def _note(name: str) -> tuple[str, str]:
     return texts.get(what, name), "R^2"
 
 
-def _curious_run(
+def curious_run(
     student: FheViT,
     datasets: Sequence[ClientData],
     config: DoubleBlindConfig,
@@ -449,7 +449,7 @@ def run_extraction_benchmark(
     rows = []
     for permute in (False, True):
         run_config = replace(config, permute=permute)
-        clients, observed = _curious_run(
+        clients, observed = curious_run(
             student, datasets, run_config, backend, log, seed=federation.seed
         )
         metrics = extraction_metrics(
@@ -546,7 +546,7 @@ def run_reveal_benchmark(
         ours = replace(config, reveal=reveal)
         result = run_adaptation("ours", student, splits, ours, federation, seed=federation.seed)
         curious = replace(ours, rounds=extraction_rounds)
-        clients, observed = _curious_run(
+        clients, observed = curious_run(
             student, datasets, curious, backend, log, seed=federation.seed
         )
         metrics = extraction_metrics(

@@ -424,6 +424,16 @@ def test_too_few_clients_stops_with_a_clear_error(model, splits) -> None:
         )
 
 
+def test_a_data_owner_refuses_an_aggregate_smaller_than_its_policy(model, splits) -> None:
+    """min-aggregate is the data owner's own rule: with two clients and a policy of three, no
+    client reveals its unmasking shares, so the server learns no aggregate at all."""
+    policy = DataOwnerPolicy(allow_plaintext=True, min_aggregate=3)
+    with pytest.raises(ProtocolError, match="fewer than the policy's min-aggregate=3"):
+        run_research(
+            model, splits, small_config(rounds=1), Federation(num_clients=2), policy=policy
+        )
+
+
 def test_runs_resume_after_the_last_saved_round(model, splits, tmp_path: Path) -> None:
     federation = Federation(num_clients=2)
     quiet = {"log": lambda _: None}

@@ -57,6 +57,7 @@ from fedfm.secagg import ADVERTISE_KEYS, UNMASK, ClientSecAggState, decode_reque
 from fedfm.secagg import ClientUpdate as MaskedUpdate
 from fedfm.secagg import handle as handle_secagg
 from fedfm.secagg.messages import PREFIX as SECAGG
+from fedfm.secagg.messages import UnmaskRequest
 
 
 @dataclass(frozen=True)
@@ -559,6 +560,8 @@ class DoubleBlindClient:
     ) -> tuple[Envelope, ClientState]:
         """One SecAgg stage on the update this round's training left in the state."""
         request = decode_request(envelope.arrays, envelope.config)
+        if isinstance(request, UnmaskRequest):  # the aggregate: the survivors and this client
+            self.policy.check_aggregate(len(request.survivors) + 1)
         expected = "trained" if request.stage == ADVERTISE_KEYS else "secagg"
         if (state.stage, state.round) != (expected, envelope.round) or (
             request.round_id != envelope.round
