@@ -18,6 +18,13 @@ What it does, because Flower 1.41 needs it done:
   ``workdir`` made absolute (the student ``fedfm distill`` wrote there; without one the script stops
   before starting Flower, naming the command); further arguments go to ``flwr run`` as they are,
   e.g. ``--run-config "rounds=2 strategy='fedadam'"``;
+* the data owners' SecAgg identities: a fresh identity key per simulated SuperNode and the pins
+  of all of them in a fresh folder ``data-owners-*`` under ``FLWR_HOME``
+  (``create_simulation_identities``), named to the ClientApps in the environment variable
+  ``FEDFM_SECAGG_IDENTITY_DIR`` of the SuperLink it starts (simulation has no per-node config;
+  the run config comes from the server and is never read for identities).
+  ``--secagg-semi-honest`` sets ``FEDFM_SECAGG_MODE=semi-honest`` instead (the data owners then
+  trust the server to relay their keys faithfully);
 * the exit status is 0 only if Flower reports the run ``finished:completed``.
 """
 
@@ -33,6 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 APP = Path(__file__).resolve().parent
@@ -47,8 +55,11 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _environment(home: Path, ray_dir: Path) -> dict[str, str]:
+def _environment(
+    home: Path, ray_dir: Path, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(extra or {})
     env.update(
         FLWR_HOME=str(home),
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
@@ -126,7 +137,22 @@ def _run_status(env: dict[str, str], seconds: float = 30.0) -> str:
     return status
 
 
-def run(supernodes: int, home: Path, flwr_args: list[str]) -> int:
+def data_owners_environment(home: Path, supernodes: int, *, semi_honest: bool) -> dict[str, str]:
+    """The data owners' side of the simulation: their identities, named in the environment."""
+    from fedfm.protocols.double_blind.identities import (
+        SIMULATION_IDENTITY_DIR,
+        SIMULATION_MODE,
+        create_simulation_identities,
+    )
+
+    if semi_honest:
+        return {SIMULATION_MODE: "semi-honest"}
+    folder = Path(tempfile.mkdtemp(prefix="data-owners-", dir=home))  # only we can read it
+    create_simulation_identities(folder, supernodes)
+    return {SIMULATION_IDENTITY_DIR: str(folder)}
+
+
+def run(supernodes: int, home: Path, flwr_args: list[str], *, semi_honest: bool = False) -> int:
     """Start a SuperLink, run the double-blind app, stop the SuperLink; 0 if the run completed."""
     workdir = ROOT / "runs" / "distill"
     student = workdir / "student.pt"
@@ -135,20 +161,28 @@ def run(supernodes: int, home: Path, flwr_args: list[str]) -> int:
         print(f"[fedfm] no distilled student at {student}: run `fedfm distill` first")
         return 2
     defaults = f"num-clients={supernodes} workdir='{workdir}'"
-    status = run_app(APP, supernodes, home, ["--run-config", defaults, *flwr_args])
+    owners = data_owners_environment(home, supernodes, semi_honest=semi_honest)
+    status = run_app(APP, supernodes, home, ["--run-config", defaults, *flwr_args], owners)
     print(f"[fedfm] flwr run: {status}; SuperLink stopped")
     return 0 if status == "finished:completed" else 1
 
 
-def run_app(app: Path, supernodes: int, home: Path, flwr_args: list[str]) -> str:
+def run_app(
+    app: Path,
+    supernodes: int,
+    home: Path,
+    flwr_args: list[str],
+    environment: Mapping[str, str] | None = None,
+) -> str:
     """Run the Flower App in ``app`` on a private simulation SuperLink; the run's final status.
 
-    ``flwr_args`` go to ``flwr run`` after the app, the connection and the federation config.
+    ``flwr_args`` go to ``flwr run`` after the app, the connection and the federation config;
+    ``environment`` is added to the SuperLink's (hence the simulated SuperNodes') environment.
     """
     # Ray's own folder: short (its socket paths must stay under 108 bytes) and private (Ray
     # would join a cluster another user started with `ray start` under the shared /tmp/ray)
     with tempfile.TemporaryDirectory(prefix="fedfm-ray-", ignore_cleanup_errors=True) as ray:
-        env = _environment(home, Path(ray))
+        env = _environment(home, Path(ray), environment)
         port = _free_port()
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
@@ -200,12 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--flwr-home", type=Path, help="FLWR_HOME to use (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--secagg-semi-honest",
+        action="store_true",
+        help="the data owners take SecAgg keys as the server relays them (no identities)",
+    )
     args, flwr_args = parser.parse_known_args(argv)
     if args.flwr_home is not None:
         args.flwr_home.mkdir(parents=True, exist_ok=True)
-        return run(args.supernodes, args.flwr_home.resolve(), flwr_args)
+        home = args.flwr_home.resolve()
+        return run(args.supernodes, home, flwr_args, semi_honest=args.secagg_semi_honest)
     with tempfile.TemporaryDirectory(prefix="fedfm-flwr-") as home:
-        return run(args.supernodes, Path(home), flwr_args)
+        return run(args.supernodes, Path(home), flwr_args, semi_honest=args.secagg_semi_honest)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,10 @@ difference is small, so a small clipping range suffices), and its number of exam
 ``train.secagg`` stages then mask it (``advertise_keys`` only from ``trained`` of the same round,
 so an update is masked at most once; the others from ``secagg``), with the SecAgg client state
 kept under ``secagg.`` keys of the state's arrays and config; after ``unmask`` the client is
-``ready`` again and the update is gone.
+``ready`` again and the update is gone. The SecAgg keys are authenticated as the data owner
+chose when building the client (``authentication``: signed by its identity and checked against
+its pins, or semi-honest), never as the server says; a client built without a choice refuses
+the SecAgg stages.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 
 from fedfm.crypto.backend import CryptoBackend, KeyOwner
-from fedfm.errors import DataError, ProtocolError
+from fedfm.errors import ConfigError, DataError, ProtocolError
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -51,7 +54,13 @@ from fedfm.protocols.double_blind.messages import (
     unpack_batches,
 )
 from fedfm.runtime.transport import Envelope
-from fedfm.secagg import ADVERTISE_KEYS, UNMASK, ClientSecAggState, decode_request
+from fedfm.secagg import (
+    ADVERTISE_KEYS,
+    UNMASK,
+    ClientSecAggState,
+    KeyAuthentication,
+    decode_request,
+)
 from fedfm.secagg import ClientUpdate as MaskedUpdate
 from fedfm.secagg import handle as handle_secagg
 from fedfm.secagg.messages import PREFIX as SECAGG
@@ -154,12 +163,24 @@ def one_hot(labels: np.ndarray, num_classes: int) -> np.ndarray:
 
 
 class DoubleBlindClient:
-    """Handles the protocol's messages for one data owner."""
+    """Handles the protocol's messages for one data owner.
 
-    def __init__(self, data: ClientData, backend: CryptoBackend, *, partition_id: int = -1) -> None:
+    ``authentication``: how this data owner authenticates the other clients' SecAgg keys (its
+    identity and pins, or the explicit semi-honest mode); ``None`` refuses secure aggregation.
+    """
+
+    def __init__(
+        self,
+        data: ClientData,
+        backend: CryptoBackend,
+        *,
+        partition_id: int = -1,
+        authentication: KeyAuthentication | None = None,
+    ) -> None:
         self.data = data
         self.backend = backend
         self.partition_id = partition_id  # an ordering key for the server, not a secret
+        self.authentication = authentication
 
     # -- entry point -----------------------------------------------------------------------
     def handle(self, envelope: Envelope, state: ClientState) -> tuple[Envelope, ClientState]:
@@ -314,6 +335,12 @@ class DoubleBlindClient:
         self, envelope: Envelope, state: ClientState
     ) -> tuple[Envelope, ClientState]:
         """One SecAgg stage on the update this round's training left in the state."""
+        if self.authentication is None:
+            raise ConfigError(
+                "this data owner has no SecAgg identity: without one it cannot tell its "
+                "neighbours' keys from the server's (ClientApp: set node config 'identity-key' "
+                "and 'secagg-pins', or 'secagg-mode' = 'semi-honest' to trust the server)"
+            )
         request = decode_request(envelope.arrays, envelope.config)
         expected = "trained" if request.stage == ADVERTISE_KEYS else "secagg"
         if (state.stage, state.round) != (expected, envelope.round) or (
@@ -331,7 +358,9 @@ class DoubleBlindClient:
             else ClientSecAggState.from_records(secagg_arrays, secagg_config)
         )
         update = MaskedUpdate(state.group("update"), int(state.config[UPDATE_WEIGHT]))
-        reply, secagg_state = handle_secagg(previous, request, update=update)
+        reply, secagg_state = handle_secagg(
+            previous, request, update=update, authentication=self.authentication
+        )
         answer = Envelope(TRAIN_SECAGG, envelope.node_id, envelope.round, *reply.to_records())
         kept = {k: v for k, v in state.arrays.items() if not k.startswith(SECAGG)}
         if request.stage == UNMASK:  # the last stage: the update has served its purpose
