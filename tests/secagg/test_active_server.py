@@ -240,7 +240,10 @@ def test_a_refused_share_keys_is_a_protocol_error_that_keeps_the_state():
     ("count", "num_neighbours", "feasible"),
     [
         (5, None, False),  # d = 4, t = 3: 9 "dropped" claims needed, holders accept 4
+        (6, None, True),  # d = 5, t = 3: 9 needed, 9 placed
+        (7, None, False),  # d = 6, t = 4: 16 needed, 12 placed
         (8, None, True),  # d = 7, t = 4: 16 needed, 16 placed
+        (12, None, True),  # d = 11, t = 6: 36 needed, 36 placed
         (12, 4, False),  # d = 4, t = 3: 9 needed, 7 placed
         (30, 6, True),  # d = 6, t = 4: 16 needed, 16 placed
     ],
