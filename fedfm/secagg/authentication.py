@@ -76,6 +76,7 @@ class KeyAuthentication:
     pinned:
         Fingerprint -> name of every identity this client accepts as a neighbour; the names
         only label error messages. (:meth:`signed` takes the usual ``name -> fingerprint``.)
+        Empty: it accepts no neighbour (a federation of one; node config refuses it).
     check_neighbours:
         ``True``: refuse ``share_keys`` unless every neighbour's keys are signed by a distinct
         pinned identity other than the client's own, for this round, node id and settings.
@@ -89,11 +90,6 @@ class KeyAuthentication:
     def __post_init__(self) -> None:
         if self.check_neighbours and self.signer is None:
             raise ConfigError("signed SecAgg keys need the client's identity (a signer)")
-        if self.check_neighbours and not self.pinned:
-            raise ConfigError(
-                "signed SecAgg keys need pins: the fingerprints of the other data owners' "
-                "identities this client may share its secrets with"
-            )
         for pin in self.pinned:
             if not _FINGERPRINT.fullmatch(pin):
                 raise ConfigError(f"pin {pin!r} is not 64 lowercase hex digits")
