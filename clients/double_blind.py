@@ -12,6 +12,10 @@ error reply and leaves ``context.state`` as it was.
 The client's data: partition ``partition-id`` of ``num-partitions`` (node config; simulation
 sets both) of the clients' pool, split exactly as the in-process runner splits it for client
 ``partition-id``, with the dataset settings of the run config.
+
+The data owner's SecAgg identity and pins come from its node config only (``identity-key``,
+``secagg-pins``, ``secagg-mode``; in simulation the folder ``secagg-identity-dir`` names):
+:func:`fedfm.protocols.double_blind.identities.data_owner_key_authentication`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_SECAGG,
     DoubleBlindConfig,
 )
+from fedfm.protocols.double_blind.identities import data_owner_key_authentication
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data
 from fedfm.protocols.double_blind.settings import app_settings
@@ -82,6 +87,7 @@ def client_role(context: Context) -> DoubleBlindClient:
         data[partition_id],
         policy=DataOwnerPolicy.from_node_config(own),
         partition_id=partition_id,
+        authentication=data_owner_key_authentication(own),
     )
 
 

@@ -4,8 +4,8 @@
 ``query.runtime_step``) with :class:`~fedfm.runtime.NodeRuntime`, through the one ClientApp
 factory (:func:`fedfm.flower.apps.make_client_app`): the node's settings (roles, identity key,
 pins, inputs) come from its own node config only, never from the run config the relay hands
-out (see :mod:`fedfm.runtime.settings`); its state (the session's private key, sequence numbers, role
-state) lives in ``context.state`` and the identity key in the file the node config names; they
+out (see :mod:`fedfm.runtime.settings`); its state (the session's private key, sequence numbers,
+role state) lives in ``context.state`` and the identity key in the file the node config names; they
 never leave the node. A request the node refuses (a tampered, replayed or misaddressed frame, a
 substituted key) gets an error reply naming the problem and leaves ``context.state`` as it was.
 """

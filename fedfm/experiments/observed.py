@@ -26,6 +26,7 @@ from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_BLOCK, Dou
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.permutation import RoundPermutations
 from fedfm.protocols.double_blind.server import DoubleBlindServer
+from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, InProcessTransport
 
@@ -116,9 +117,16 @@ def run_observed(
     if len(classes) != 1:
         raise ConfigError(f"clients disagree on the number of classes: {sorted(classes)}")
     backend = get_backend(config.backend)
+    keys = signed_federation(range(len(datasets)))  # each data owner signs its SecAgg keys
     handlers = {
         node: ObservedClient(
-            DoubleBlindClient(data, backend, policy=RESEARCHER_POLICY, partition_id=node),
+            DoubleBlindClient(
+                data,
+                backend,
+                policy=RESEARCHER_POLICY,
+                partition_id=node,
+                authentication=keys[node],
+            ),
             node,
             observers,
         )

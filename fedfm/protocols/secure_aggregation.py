@@ -8,6 +8,11 @@ while enough remain. The clients answer from state they keep between the stages 
 :func:`fedfm.secagg.handle`). Protocols plug it in after their training step; the double-blind
 driver does (``train.secagg``).
 
+Each client authenticates the other clients' SecAgg keys as its data owner chose
+(:class:`~fedfm.secagg.KeyAuthentication`): signed by its long-term identity and checked against
+the identities it pinned, or (explicitly) semi-honest. :func:`run_in_process` gives every client
+a fresh identity and pins the others' (:func:`signed_federation`) unless told otherwise.
+
 SecAgg labels the participants of a round ``1..K`` (its node ids must be positive and distinct;
 transports may use any ids, the in-process one starts at 0): the ``k``-th smallest transport id
 is participant ``k``, and the request of the first stage tells each client its label. Everything
@@ -16,18 +21,21 @@ returned here is in transport ids again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.runtime.identity import Identity
 from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, Failure, InProcessTransport, Transport
 from fedfm.secagg import (
     ArrayLayout,
     ClientSecAggState,
     ClientUpdate,
+    KeyAuthentication,
     SecAggConfig,
     SecAggServer,
     decode_reply,
@@ -38,6 +46,29 @@ from fedfm.secagg.messages import STAGE_KEY, Request
 
 # The message type of SecAgg's stages when it runs alone (protocols pass their own).
 IN_PROCESS_MESSAGE_TYPE = "train.secagg"
+
+Node = TypeVar("Node", bound=Hashable)
+
+
+def signed_federation(nodes: Iterable[Node]) -> dict[Node, KeyAuthentication]:
+    """A fresh identity for every node, each node pinning every other node's identity.
+
+    What the data owners of a deployment set up out of band (each its own identity key, the
+    others' fingerprints), done in one process: the default of the in-process runs. Pins are
+    named ``node-<node>``.
+    """
+    identities = {node: Identity.generate() for node in nodes}
+    return {
+        node: KeyAuthentication.signed(
+            identity,
+            {
+                f"node-{peer}": other.fingerprint
+                for peer, other in identities.items()
+                if peer != node
+            },
+        )
+        for node, identity in identities.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -138,18 +169,22 @@ def _dropouts(
 
 class SecAggClientRole:
     """A client of secure aggregation alone, as a node role (:class:`~fedfm.runtime.transport.
-    NodeRole`): it answers each stage's request for the update it was given. Protocols that run
-    SecAgg after their own steps answer these requests inside their own role instead (the
-    double-blind client does); this role serves :func:`run_in_process` and tests."""
+    NodeRole`): it answers each stage's request for the update it was given, authenticating
+    keys as ``authentication`` says. Protocols that run SecAgg after their own steps answer
+    these requests inside their own role instead (the double-blind client does); this role
+    serves :func:`run_in_process` and tests."""
 
-    def __init__(self, update: ClientUpdate) -> None:
+    def __init__(self, update: ClientUpdate, authentication: KeyAuthentication) -> None:
         self.update = update
+        self.authentication = authentication
 
     def handle(
         self, envelope: Envelope, state: ClientSecAggState
     ) -> tuple[Envelope, ClientSecAggState]:
         request = decode_request(envelope.arrays, envelope.config)
-        reply, new_state = handle_secagg(state, request, update=self.update)
+        reply, new_state = handle_secagg(
+            state, request, update=self.update, authentication=self.authentication
+        )
         arrays, config = reply.to_records()
         return Envelope(envelope.message_type, envelope.node_id, envelope.round, arrays, config), (
             new_state
@@ -163,23 +198,29 @@ def run_in_process(
     round_id: int = 0,
     dropouts: Mapping[str, Collection[int]] | None = None,
     message_type: str = IN_PROCESS_MESSAGE_TYPE,
+    authentication: Mapping[int, KeyAuthentication] | None = None,
 ) -> SecureAggregation:
     """One round of secure aggregation of ``updates`` (node id to update) in this process.
 
     The clients are the runtime's in-process nodes (:class:`~fedfm.runtime.local.LocalNode`: each
     keeps only its state's records between stages, as in Flower's ``context.state``) behind an
     :class:`~fedfm.runtime.transport.InProcessTransport`; ``dropouts`` maps a stage to the nodes
-    that never answer its request (they crash or time out on receiving it).
+    that never answer its request (they crash or time out on receiving it). ``authentication``
+    is each node's choice of key authentication; by default every node signs its keys with a
+    fresh identity and pins the others' (:func:`signed_federation`).
     """
     if not updates:
         raise ConfigError("a round needs at least one client update")
+    chosen = dict(authentication) if authentication is not None else signed_federation(updates)
+    if missing := sorted(set(updates) - set(chosen)):
+        raise ConfigError(f"no key authentication for nodes {missing}")
     silent = {stage: set(nodes) for stage, nodes in (dropouts or {}).items()}
 
     def drop(envelope: Envelope) -> bool:
         return envelope.node_id in silent.get(str(envelope.config.get(STAGE_KEY)), ())
 
     handlers = {
-        node: LocalNode(SecAggClientRole(update), ClientSecAggState)
+        node: LocalNode(SecAggClientRole(update, chosen[node]), ClientSecAggState)
         for node, update in updates.items()
     }
     return run_secure_aggregation(

@@ -8,11 +8,14 @@ function whose state encodes the same way, and an in-memory server state machine
 Stages (server-driven, one request and one reply per client each):
 
 1. ``advertise_keys``: each client draws two X25519 key pairs (``c`` for share encryption,
-   ``s`` for pairwise masks) and a self-mask seed ``b``, and sends the two public keys.
+   ``s`` for pairwise masks) and a self-mask seed ``b``, and sends the two public keys signed
+   by its long-term Ed25519 identity.
 2. ``share_keys``: the server draws a random ``k``-regular graph over the clients that answered
-   and sends each its neighbours' public keys; the client Shamir-shares ``b`` and ``s``'s
-   private key (threshold ``t`` among its ``k`` neighbours) and returns one ChaCha20-Poly1305
-   ciphertext per neighbour.
+   and sends each its neighbours' public keys and signatures; the client checks that each
+   neighbour's keys are signed by an identity its data owner pinned
+   (:mod:`fedfm.secagg.authentication`), Shamir-shares ``b`` and ``s``'s private key
+   (threshold ``t`` among its ``k`` neighbours) and returns one ChaCha20-Poly1305 ciphertext
+   per neighbour.
 3. ``collect_masked_input``: the server forwards each client the ciphertexts addressed to it;
    the client sends ``y = [N q, N] + PRG(b) + sum_v +-PRG(s_uv) mod 2**64``, where ``q`` is its
    quantized update and ``N`` its number of examples.
@@ -20,7 +23,8 @@ Stages (server-driven, one request and one reply per client each):
    shares of ``b`` for the former and of ``s``'s private key for the latter. The server rebuilds
    the secrets, strips the masks and decodes ``sum N q / sum N``.
 
-What each party sees (semi-honest server, authentic public keys):
+What each party sees (public keys authenticated by pinned identities, or a server that follows
+the protocol in the semi-honest mode; ``docs/secure_aggregation.md`` has the threat model):
 
 * The server: public keys, ciphertexts it cannot open, each client's masked input (uniformly
   distributed on its own), and for every node either ``t`` shares of ``b`` (if it sent ``y``)
@@ -30,6 +34,12 @@ What each party sees (semi-honest server, authentic public keys):
   which neighbours the server says survived. Nothing about any other client's update.
 """
 
+from fedfm.secagg.authentication import (
+    KeyAuthentication,
+    KeyAuthenticationError,
+    Signer,
+    fingerprint,
+)
 from fedfm.secagg.client import (
     ClientSecAggState,
     ClientUpdate,
@@ -79,6 +89,8 @@ __all__ = [
     "ClientSecAggState",
     "ClientSettings",
     "ClientUpdate",
+    "KeyAuthentication",
+    "KeyAuthenticationError",
     "MaskedInputReply",
     "MaskedInputRequest",
     "NeighbourKeys",
@@ -91,6 +103,7 @@ __all__ = [
     "SecAggServer",
     "ShareKeysReply",
     "ShareKeysRequest",
+    "Signer",
     "UnmaskReply",
     "UnmaskRequest",
     "advertise_keys",
@@ -98,6 +111,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "expand_mask",
+    "fingerprint",
     "handle",
     "harary_graph",
     "neighbour_degree",

@@ -9,10 +9,13 @@ Stages and what the client keeps:
 
 ``new`` -> ``advertised`` (``advertise_keys``)
     Two fresh X25519 private keys (``c`` encrypts shares, ``s`` agrees pairwise masks) and the
-    32-byte self-mask seed ``b`` from ``os.urandom``.
+    32-byte self-mask seed ``b`` from ``os.urandom``. The reply's two public keys are signed by
+    the client's long-term identity (unless its data owner chose the semi-honest mode).
 ``advertised`` -> ``shared`` (``share_keys``)
-    Its neighbours' public keys and the threshold ``t``; the reply holds one ciphertext per
-    neighbour with that neighbour's Shamir shares of ``b`` and of ``s``'s private key.
+    Its neighbours' public keys and the threshold ``t``, after checking that every neighbour's
+    keys are signed by an identity its data owner pinned (:mod:`fedfm.secagg.authentication`);
+    the reply holds one ciphertext per neighbour with that neighbour's Shamir shares of ``b``
+    and of ``s``'s private key.
 ``shared`` -> ``masked`` (``collect_masked_input``)
     The ciphertexts addressed to it (each is authenticated on arrival). The reply is the masked
     input; ``b`` and ``s``'s private key are then dropped from the state (their shares are with
@@ -36,6 +39,13 @@ from typing import Self
 import numpy as np
 
 from fedfm.errors import ConfigError, InvariantError, ProtocolError
+from fedfm.secagg.authentication import (
+    IDENTITY_BYTES,
+    SIGNATURE_BYTES,
+    KeyAuthentication,
+    check_neighbour_keys,
+    sign_keys,
+)
 from fedfm.secagg.channel import (
     KEY_BYTES,
     new_private_key,
@@ -98,6 +108,8 @@ _STATE_ARRAYS = (
     "neighbour_ids",
     "neighbour_encryption_public_keys",
     "neighbour_masking_public_keys",
+    "neighbour_identities",
+    "neighbour_signatures",
     "received_sender_ids",
     "received_ciphertexts",
     "revealed_self_mask_share_owners",
@@ -151,6 +163,12 @@ class ClientSecAggState:
             ),
             _key("neighbour_masking_public_keys"): rows_array(
                 [n.masking_public_key for n in self.neighbours], KEY_BYTES
+            ),
+            _key("neighbour_identities"): rows_array(
+                [n.identity for n in self.neighbours], IDENTITY_BYTES
+            ),
+            _key("neighbour_signatures"): rows_array(
+                [n.signature for n in self.neighbours], SIGNATURE_BYTES
             ),
             _key("received_sender_ids"): ids_array(received),
             _key("received_ciphertexts"): rows_array(
@@ -206,6 +224,8 @@ class ClientSecAggState:
             arrays, _key("neighbour_encryption_public_keys"), count, KEY_BYTES, what
         )
         masking = read_rows(arrays, _key("neighbour_masking_public_keys"), count, KEY_BYTES, what)
+        identities = read_rows(arrays, _key("neighbour_identities"), count, IDENTITY_BYTES, what)
+        signatures = read_rows(arrays, _key("neighbour_signatures"), count, SIGNATURE_BYTES, what)
         senders = read_ids(arrays, _key("received_sender_ids"), what)
         ciphertexts = read_rows(
             arrays, _key("received_ciphertexts"), len(senders), CIPHERTEXT_BYTES, what
@@ -217,7 +237,10 @@ class ClientSecAggState:
             settings=settings,
             threshold=read_int(config, _key("threshold"), what),
             neighbours=tuple(
-                NeighbourKeys(*row) for row in zip(neighbour_ids, encryption, masking, strict=True)
+                NeighbourKeys(*row)
+                for row in zip(
+                    neighbour_ids, encryption, masking, identities, signatures, strict=True
+                )
             ),
             received=dict(zip(senders, ciphertexts, strict=True)),
             revealed_self_mask_shares=frozenset(
@@ -232,18 +255,28 @@ class ClientSecAggState:
 
 
 def handle(
-    state: ClientSecAggState, request: Request, *, update: ClientUpdate | None = None
+    state: ClientSecAggState,
+    request: Request,
+    *,
+    update: ClientUpdate | None = None,
+    authentication: KeyAuthentication,
 ) -> tuple[Reply, ClientSecAggState]:
     """Answer ``request`` from ``state``; ``update`` is needed for ``collect_masked_input`` only.
 
+    ``authentication`` is the data owner's choice of how SecAgg keys are authenticated
+    (signed against its pins, or semi-honest); it is a required argument so that no caller
+    falls into the unauthenticated mode by omission.
+
     Raises :class:`ProtocolError` when the request does not fit the state or breaks a rule of
-    the protocol; the old state is then unchanged and still usable.
+    the protocol (:class:`~fedfm.secagg.authentication.KeyAuthenticationError` when a
+    neighbour's keys are not signed by its pinned identity); the old state is then unchanged
+    and still usable.
     """
     match request:
         case AdvertiseKeysRequest():
-            return advertise_keys(request)
+            return advertise_keys(request, authentication)
         case ShareKeysRequest():
-            return share_keys(state, request)
+            return share_keys(state, request, authentication)
         case MaskedInputRequest():
             if update is None:
                 raise ProtocolError("collect_masked_input needs the client's update")
@@ -263,8 +296,12 @@ def _expect(state: ClientSecAggState, request: Request, stages: tuple[str, ...])
         )
 
 
-def advertise_keys(request: AdvertiseKeysRequest) -> tuple[AdvertiseKeysReply, ClientSecAggState]:
-    """Stage 1: fresh key pairs and self-mask seed. Always allowed: it starts a new round."""
+def advertise_keys(
+    request: AdvertiseKeysRequest, authentication: KeyAuthentication
+) -> tuple[AdvertiseKeysReply, ClientSecAggState]:
+    """Stage 1: fresh key pairs and self-mask seed, the public keys signed by the client's
+    identity (for this round, its node id and the settings). Always allowed: it starts a new
+    round."""
     encryption_private_key, masking_private_key = new_private_key(), new_private_key()
     state = ClientSecAggState(
         stage=ADVERTISED,
@@ -275,17 +312,39 @@ def advertise_keys(request: AdvertiseKeysRequest) -> tuple[AdvertiseKeysReply, C
         masking_private_key=masking_private_key,
         self_mask_seed=os.urandom(KEY_BYTES),
     )
+    encryption_public_key = public_key_of(encryption_private_key)
+    masking_public_key = public_key_of(masking_private_key)
+    signed = sign_keys(
+        authentication.signer,
+        request.round_id,
+        request.node_id,
+        encryption_public_key,
+        masking_public_key,
+        request.settings,
+    )
     reply = AdvertiseKeysReply(
-        request.round_id, public_key_of(encryption_private_key), public_key_of(masking_private_key)
+        request.round_id,
+        encryption_public_key,
+        masking_public_key,
+        signed.identity,
+        signed.signature,
     )
     return reply, state
 
 
 def share_keys(
-    state: ClientSecAggState, request: ShareKeysRequest
+    state: ClientSecAggState, request: ShareKeysRequest, authentication: KeyAuthentication
 ) -> tuple[ShareKeysReply, ClientSecAggState]:
-    """Stage 2: Shamir-share ``b`` and ``s``'s private key among the neighbours, encrypted."""
+    """Stage 2: Shamir-share ``b`` and ``s``'s private key among the neighbours, encrypted.
+
+    First, unless ``authentication`` is semi-honest, every neighbour's keys must be signed by
+    a distinct pinned identity for this round, that neighbour's node id and these settings;
+    otherwise nothing is shared (:class:`~fedfm.secagg.authentication.KeyAuthenticationError`
+    naming the neighbour).
+    """
     _expect(state, request, (ADVERTISED,))
+    if state.settings is None:
+        raise InvariantError(f"SecAgg state {state.stage!r} has no settings (set past NEW)")
     neighbours = tuple(sorted(request.neighbours, key=lambda n: n.node_id))
     ids = [n.node_id for n in neighbours]
     if state.node_id in ids:
@@ -301,6 +360,13 @@ def share_keys(
     if len(set(keys)) != len(keys):
         # Bonawitz et al.: distinct keys, else a server could make two parties one.
         raise ProtocolError("share_keys request: public keys are not all distinct")
+    check_neighbour_keys(
+        authentication,
+        node_id=state.node_id,
+        round_id=state.round_id,
+        settings=state.settings,
+        neighbours=neighbours,
+    )
     seed_shares = split_secret(state.self_mask_seed, request.threshold, len(neighbours))
     key_shares = split_secret(state.masking_private_key, request.threshold, len(neighbours))
     ciphertexts = {}

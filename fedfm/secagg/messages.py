@@ -10,10 +10,13 @@ stage                  request (server to client)                reply (client t
 =====================  ========================================  ==============================
 advertise_keys         ``node_id`` (1), settings in config:      ``encryption_public_key``
                        ``clipping_range``, ``quantization_bits``, (32), ``masking_public_key``
-                       ``max_weight``, ``layout`` (JSON)          (32)
+                       ``max_weight``, ``layout`` (JSON)          (32), ``identity_public_key``
+                                                                  (32), ``signature`` (64)
 share_keys             ``neighbour_ids`` (d), ``threshold``,      ``receiver_ids`` (d),
                        ``encryption_public_keys`` (d, 32),        ``ciphertexts`` (d, 132)
-                       ``masking_public_keys`` (d, 32)
+                       ``masking_public_keys`` (d, 32),
+                       ``identity_public_keys`` (d, 32),
+                       ``signatures`` (d, 64)
 collect_masked_input   ``sender_ids`` (m), ``ciphertexts``        ``masked_input`` (L + 1,
                        (m, 132): the shares addressed to it       uint64)
 unmask                 ``survivor_ids``, ``dropped_ids``          ``self_mask_share_owners``,
@@ -23,6 +26,10 @@ unmask                 ``survivor_ids``, ``dropped_ids``          ``self_mask_sh
 =====================  ========================================  ==============================
 
 Every message also has ``secagg.stage`` (str) and ``secagg.round`` (int) in its config.
+
+The identity and signature are the client's Ed25519 identity key and its signature on the two
+public keys for this round, node id and settings (:mod:`fedfm.secagg.authentication`); a client
+in the semi-honest mode sends zeros there, and the server relays them unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ from typing import ClassVar, Self
 import numpy as np
 
 from fedfm.errors import ProtocolError
+from fedfm.secagg.authentication import (
+    IDENTITY_BYTES,
+    NO_IDENTITY,
+    NO_SIGNATURE,
+    SIGNATURE_BYTES,
+)
 from fedfm.secagg.channel import KEY_BYTES, NONCE_BYTES, TAG_BYTES
 from fedfm.secagg.config import ClientSettings
 from fedfm.secagg.records import (
@@ -150,18 +163,26 @@ class AdvertiseKeysRequest:
 
 @dataclass(frozen=True)
 class AdvertiseKeysReply:
-    """Stage 1, client to server: the public keys for share encryption (c) and masks (s)."""
+    """Stage 1, client to server: the public keys for share encryption (c) and masks (s).
+
+    ``identity`` and ``signature``: the client's identity key and its signature on both keys
+    (zeros from a semi-honest client that does not sign).
+    """
 
     stage: ClassVar[str] = ADVERTISE_KEYS
     direction: ClassVar[str] = "reply"
     round_id: int
     encryption_public_key: bytes
     masking_public_key: bytes
+    identity: bytes = NO_IDENTITY
+    signature: bytes = NO_SIGNATURE
 
     def to_records(self) -> tuple[Arrays, Config]:
         arrays = {
             _key("encryption_public_key"): bytes_array(self.encryption_public_key),
             _key("masking_public_key"): bytes_array(self.masking_public_key),
+            _key("identity_public_key"): bytes_array(self.identity),
+            _key("signature"): bytes_array(self.signature),
         }
         return arrays, _base_config(self.stage, self.round_id)
 
@@ -171,18 +192,22 @@ class AdvertiseKeysReply:
     ) -> Self:
         what = f"{cls.stage} {cls.direction}"
         names = ("encryption_public_key", "masking_public_key")
-        round_id = _header(arrays, config, cls, names)
+        round_id = _header(arrays, config, cls, (*names, "identity_public_key", "signature"))
         keys = [read_bytes(arrays, _key(name), (KEY_BYTES,), what) for name in names]
-        return cls(round_id, *keys)
+        identity = read_bytes(arrays, _key("identity_public_key"), (IDENTITY_BYTES,), what)
+        signature = read_bytes(arrays, _key("signature"), (SIGNATURE_BYTES,), what)
+        return cls(round_id, *keys, identity, signature)
 
 
 @dataclass(frozen=True)
 class NeighbourKeys:
-    """A neighbour's node id and advertised public keys."""
+    """A neighbour's node id, advertised public keys, identity key and signature on them."""
 
     node_id: int
     encryption_public_key: bytes
     masking_public_key: bytes
+    identity: bytes = NO_IDENTITY
+    signature: bytes = NO_SIGNATURE
 
 
 @dataclass(frozen=True)
@@ -205,6 +230,10 @@ class ShareKeysRequest:
             _key("masking_public_keys"): rows_array(
                 [n.masking_public_key for n in neighbours], KEY_BYTES
             ),
+            _key("identity_public_keys"): rows_array(
+                [n.identity for n in neighbours], IDENTITY_BYTES
+            ),
+            _key("signatures"): rows_array([n.signature for n in neighbours], SIGNATURE_BYTES),
         }
         config = _base_config(self.stage, self.round_id)
         config[_key("threshold")] = self.threshold
@@ -215,13 +244,23 @@ class ShareKeysRequest:
         cls, arrays: Mapping[str, np.ndarray], config: Mapping[str, ConfigValue]
     ) -> Self:
         what = f"{cls.stage} {cls.direction}"
-        names = ("neighbour_ids", "encryption_public_keys", "masking_public_keys")
+        names = (
+            "neighbour_ids",
+            "encryption_public_keys",
+            "masking_public_keys",
+            "identity_public_keys",
+            "signatures",
+        )
         round_id = _header(arrays, config, cls, names, ("threshold",))
         ids = read_ids(arrays, _key("neighbour_ids"), what)
-        encryption = read_rows(arrays, _key("encryption_public_keys"), len(ids), KEY_BYTES, what)
-        masking = read_rows(arrays, _key("masking_public_keys"), len(ids), KEY_BYTES, what)
+        count = len(ids)
+        encryption = read_rows(arrays, _key("encryption_public_keys"), count, KEY_BYTES, what)
+        masking = read_rows(arrays, _key("masking_public_keys"), count, KEY_BYTES, what)
+        identities = read_rows(arrays, _key("identity_public_keys"), count, IDENTITY_BYTES, what)
+        signatures = read_rows(arrays, _key("signatures"), count, SIGNATURE_BYTES, what)
         neighbours = tuple(
-            NeighbourKeys(*fields) for fields in zip(ids, encryption, masking, strict=True)
+            NeighbourKeys(*fields)
+            for fields in zip(ids, encryption, masking, identities, signatures, strict=True)
         )
         return cls(round_id, read_int(config, _key("threshold"), what, minimum=1), neighbours)
 

@@ -28,6 +28,7 @@ from typing import cast
 import numpy as np
 
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.secagg.authentication import NO_IDENTITY, signature_is_valid
 from fedfm.secagg.channel import KEY_BYTES, public_key_of
 from fedfm.secagg.config import SecAggConfig
 from fedfm.secagg.graph import Graph, random_neighbour_graph
@@ -80,7 +81,11 @@ class SecAggResult:
 
 
 class SecAggServer:
-    """One round of SecAgg+ on the server (semi-honest: it follows the protocol)."""
+    """One round of SecAgg+ on the server (it follows the protocol).
+
+    It relays each client's identity key and signature with its public keys; the clients check
+    them against their own pins, so a server that deviates cannot substitute keys.
+    """
 
     def __init__(self, config: SecAggConfig, layout: ArrayLayout, *, round_id: int = 0) -> None:
         if isinstance(round_id, bool) or not isinstance(round_id, int):
@@ -194,6 +199,19 @@ class SecAggServer:
             case AdvertiseKeysReply():
                 if {len(reply.encryption_public_key), len(reply.masking_public_key)} != {KEY_BYTES}:
                     return f"public keys must be {KEY_BYTES} bytes"
+                # The server cannot know which identities the clients pinned (only they can
+                # check that); it drops a client whose signature is broken outright, so that
+                # one such client does not make all its neighbours refuse the round.
+                if reply.identity != NO_IDENTITY and not signature_is_valid(
+                    reply.identity,
+                    reply.signature,
+                    self.round_id,
+                    node,
+                    reply.encryption_public_key,
+                    reply.masking_public_key,
+                    self.settings,
+                ):
+                    return "the signature on its keys does not verify under its identity key"
             case ShareKeysReply():
                 if set(reply.ciphertexts) != set(self._graph[node]):
                     return "ciphertexts are not addressed to exactly its neighbours"
@@ -239,6 +257,8 @@ class SecAggServer:
                         peer,
                         self._public_keys[peer].encryption_public_key,
                         self._public_keys[peer].masking_public_key,
+                        self._public_keys[peer].identity,
+                        self._public_keys[peer].signature,
                     )
                     for peer in neighbours
                 ),

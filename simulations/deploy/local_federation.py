@@ -268,18 +268,44 @@ class LocalFederation:
         self.supernodes[index] = node
         return node
 
+    def data_owner_configs(self, count: int) -> list[dict[str, RunValue]]:
+        """Each site's SecAgg identity (made in its own folder) and pins of the other sites.
+
+        What the data owners of a deployment set up among themselves, out of band: node config
+        ``identity-key`` and ``secagg-pins`` (see ``docs/deployment.md``).
+        """
+        from fedfm.runtime import create_identity_file, format_pins
+
+        keys = [self._folder(f"supernode-{index}") / "identity.key" for index in range(count)]
+        if existing := [str(key) for key in keys if key.exists()]:
+            raise DeploymentError(f"identity keys exist already ({existing}): a fresh workspace")
+        fingerprints = {
+            f"site-{index}": create_identity_file(key) for index, key in enumerate(keys)
+        }
+        return [
+            {
+                "identity-key": str(key),
+                "secagg-pins": format_pins(
+                    {name: pin for name, pin in fingerprints.items() if name != f"site-{index}"}
+                ),
+            }
+            for index, key in enumerate(keys)
+        ]
+
     def start_supernodes(
         self, count: int, *, node_config: Mapping[str, RunValue] | None = None
     ) -> list[SuperNode]:
-        """Start SuperNodes ``0 .. count-1`` with the CA and their registered keys; each site's
-        own ``node_config`` (e.g. its privacy policy) joins its partition on ``--node-config``."""
+        """Start SuperNodes ``0 .. count-1`` with the CA, their registered keys and their SecAgg
+        identities and pins (:meth:`data_owner_configs`); each site's own ``node_config`` (e.g.
+        its privacy policy) joins them on ``--node-config``."""
+        sites = [{**site, **(node_config or {})} for site in self.data_owner_configs(count)]
         return [
             self.start_supernode(
                 index,
                 num_partitions=count,
                 private_key=self.credentials.node_keys[index],
                 root_certificates=self.credentials.ca_cert,
-                node_config=node_config,
+                node_config=sites[index],
             )
             for index in range(count)
         ]

@@ -23,6 +23,12 @@ What it does, because Flower 1.41 needs it done:
   ``allow-plaintext=true``: the default backend ``simulate`` sends images in plaintext, which a
   data owner must accept explicitly), passed as ``$FEDFM_NODE_CONFIG`` to the processes that run
   the ClientApps; never through the run config, which the server hands out;
+* the data owners' SecAgg identities: a fresh identity key per simulated SuperNode and the pins
+  of all of them in a fresh folder ``data-owners-*`` under ``FLWR_HOME``
+  (``create_simulation_identities``), named to the ClientApps by the node config key
+  ``secagg-identity-dir`` (in ``$FEDFM_NODE_CONFIG``; the run config comes from the server and
+  is never read for identities). ``--secagg-semi-honest`` sets ``secagg-mode=semi-honest``
+  instead (the data owners then trust the server to relay their keys faithfully);
 * the server's randomness keyed by ``--server-secret-file`` (``$FEDFM_SERVER_SECRET_FILE`` of the
   ServerApp; default: a fresh key from the OS) for reproducible runs;
 * the exit status is 0 only if Flower reports the run ``finished:completed``.
@@ -137,7 +143,30 @@ def _run_status(env: dict[str, str], seconds: float = 30.0) -> str:
     return status
 
 
-def run(supernodes: int, home: Path, flwr_args: list[str], *, node_config: str = "") -> int:
+def data_owners_node_config(home: Path, supernodes: int, *, semi_honest: bool) -> str:
+    """The data owners' side of the simulation: their identities, as node config pairs."""
+    from fedfm.protocols.double_blind.identities import (
+        SECAGG_IDENTITY_DIR,
+        SECAGG_MODE,
+        SEMI_HONEST,
+        create_simulation_identities,
+    )
+
+    if semi_honest:
+        return f"{SECAGG_MODE}={SEMI_HONEST!r}"
+    folder = Path(tempfile.mkdtemp(prefix="data-owners-", dir=home))  # only we can read it
+    create_simulation_identities(folder, supernodes)
+    return f"{SECAGG_IDENTITY_DIR}={str(folder)!r}"
+
+
+def run(
+    supernodes: int,
+    home: Path,
+    flwr_args: list[str],
+    *,
+    node_config: str = "",
+    semi_honest: bool = False,
+) -> int:
     """Start a SuperLink, run the double-blind app, stop the SuperLink; 0 if the run completed."""
     workdir = ROOT / "runs" / "distill"
     student = workdir / "student.pt"
@@ -146,6 +175,9 @@ def run(supernodes: int, home: Path, flwr_args: list[str], *, node_config: str =
         print(f"[fedfm] no distilled student at {student}: run `fedfm distill` first")
         return 2
     defaults = f"num-clients={supernodes} workdir='{workdir}'"
+    owners = data_owners_node_config(home, supernodes, semi_honest=semi_honest)
+    node_config = f"{node_config} {owners}".strip()
+    print(f"[fedfm] simulated data owners' node config: {node_config}")
     status = run_app(
         APP, supernodes, home, ["--run-config", defaults, *flwr_args], node_config=node_config
     )
@@ -230,16 +262,20 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="key the server's draws with this secret file (reproducible runs)",
     )
+    parser.add_argument(
+        "--secagg-semi-honest",
+        action="store_true",
+        help="the data owners take SecAgg keys as the server relays them (no identities)",
+    )
     args, flwr_args = parser.parse_known_args(argv)
-    print(f"[fedfm] simulated data owners' node config: {args.node_config!r}")
     if args.server_secret_file is not None:
         os.environ[SERVER_SECRET_ENV] = str(args.server_secret_file.resolve())
-    node_config = args.node_config
+    own = {"node_config": args.node_config, "semi_honest": args.secagg_semi_honest}
     if args.flwr_home is not None:
         args.flwr_home.mkdir(parents=True, exist_ok=True)
-        return run(args.supernodes, args.flwr_home.resolve(), flwr_args, node_config=node_config)
+        return run(args.supernodes, args.flwr_home.resolve(), flwr_args, **own)
     with tempfile.TemporaryDirectory(prefix="fedfm-flwr-") as home:
-        return run(args.supernodes, Path(home), flwr_args, node_config=node_config)
+        return run(args.supernodes, Path(home), flwr_args, **own)
 
 
 if __name__ == "__main__":

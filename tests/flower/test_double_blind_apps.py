@@ -53,10 +53,13 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_SECAGG,
 )
 from fedfm.protocols.double_blind.defaults import PROTOCOL
+from fedfm.protocols.double_blind.identities import create_simulation_identities
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
 from fedfm.protocols.secure_aggregation import run_in_process as secure_aggregate
+from fedfm.runtime.identity import format_pins
+from fedfm.runtime.settings import identity_file
 from fedfm.runtime.transport import Envelope, Failure
 from fedfm.secagg import STAGES, SecAggConfig
 from fedfm.secagg import ClientUpdate as MaskedUpdate
@@ -129,11 +132,28 @@ def run_config(student_dir: Path, **changes: object) -> dict[str, object]:
     return values | changes
 
 
+# Each data owner's own SecAgg identity and pins (node config), made once for the module.
+OWNERS: dict[int, dict[str, object]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def data_owners(tmp_path_factory):
+    """Identity keys of partitions 0..2 and the pins of all three, as the data owners' node
+    config gives them (SecAgg refuses without)."""
+    folder = tmp_path_factory.mktemp("data-owners")
+    pins = format_pins(create_simulation_identities(folder, 3))
+    OWNERS.update(
+        {k: {"identity-key": str(identity_file(folder, k)), "secagg-pins": pins} for k in range(3)}
+    )
+    yield
+    OWNERS.clear()
+
+
 def node_context(node_id: int, partition: int, config: dict[str, object], count: int = 3):
     return Context(
         run_id=1,
         node_id=node_id,
-        node_config={"partition-id": partition, "num-partitions": count},
+        node_config={"partition-id": partition, "num-partitions": count, **OWNERS[partition]},
         state=RecordDict(),
         run_config=config,
     )

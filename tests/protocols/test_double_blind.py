@@ -44,6 +44,7 @@ from fedfm.protocols.double_blind.config import (
 from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data
+from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.transport import Envelope
 from fedfm.secagg import (
     ADVERTISE_KEYS,
@@ -640,8 +641,11 @@ def test_client_answers_secure_aggregation_only_after_training_and_in_order(mode
     config = secure_config()
     server = research_server(model, config)
     clients, states, deltas, weights = {}, {}, {}, {}
+    keys = signed_federation((7, 8))
     for node, count in ((7, 80), (8, 40)):  # 3 and 2 batches of 16: weights 48 and 32
-        clients[node] = DoubleBlindClient(make_data(splits, count), BACKEND, policy=PLAIN)
+        clients[node] = DoubleBlindClient(
+            make_data(splits, count), BACKEND, policy=PLAIN, authentication=keys[node]
+        )
         reply, states[node] = clients[node].handle(server.setup_request(node), ClientState())
         server.on_setup(reply)
     initial = server.initial_arrays(96)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from fedfm.errors import ConfigError, FedfmError
+from fedfm.protocols.secure_aggregation import signed_federation
+from fedfm.secagg.authentication import KeyAuthentication
 from fedfm.secagg.client import ClientSecAggState, ClientUpdate, handle
 from fedfm.secagg.config import SecAggConfig
 from fedfm.secagg.layout import ArrayLayout
@@ -32,6 +34,8 @@ class InProcessRound:
     ``client_errors``. ``sent`` and ``received`` hold, per stage and node, the records of each
     request and reply: exactly what the server sent and learnt. ``pending`` are the requests
     the next :meth:`run_stage` delivers (tests may alter them to play a misbehaving server).
+    ``authentication`` is each node's key authentication (default: every node signs with a
+    fresh identity and pins the others', :func:`signed_federation`).
     """
 
     def __init__(
@@ -41,10 +45,12 @@ class InProcessRound:
         *,
         round_id: int = 0,
         dropouts: Mapping[str, Collection[int]] | None = None,
+        authentication: Mapping[int, KeyAuthentication] | None = None,
     ) -> None:
         self.updates = dict(updates)
         if not self.updates:
             raise ConfigError("a round needs at least one client update")
+        self.authentication = dict(authentication or signed_federation(self.updates))
         self.layout = ArrayLayout.of(next(iter(self.updates.values())).arrays)
         self.server = SecAggServer(config, self.layout, round_id=round_id)
         self.dropouts = {stage: set(nodes) for stage, nodes in (dropouts or {}).items()}
@@ -68,7 +74,10 @@ class InProcessRound:
             state = ClientSecAggState.from_records(*self.states[node])
             try:
                 reply, new_state = handle(
-                    state, decode_request(*records), update=self.updates[node]
+                    state,
+                    decode_request(*records),
+                    update=self.updates[node],
+                    authentication=self.authentication[node],
                 )
             except FedfmError as error:
                 self.client_errors[node] = f"{stage}: {error}"

@@ -391,7 +391,7 @@ def test_client_refuses_bad_share_keys_requests():
     node, request = sorted(run.pending.items())[0]
     state = run.client_state(node)
     with pytest.raises(ProtocolError, match="not more than half"):
-        share_keys(state, replace(request, threshold=1))
+        share_keys(state, replace(request, threshold=1), run.authentication[node])
     duplicate = replace(
         request.neighbours[1], encryption_public_key=request.neighbours[0].encryption_public_key
     )
@@ -401,10 +401,11 @@ def test_client_refuses_bad_share_keys_requests():
             replace(
                 request, neighbours=(request.neighbours[0], duplicate, *request.neighbours[2:])
             ),
+            run.authentication[node],
         )
     with pytest.raises(ProtocolError, match="cannot answer unmask"):
         unmask(state, UnmaskRequest(0, (), ()))
-    reply, new_state = share_keys(state, request)
+    reply, new_state = share_keys(state, request, run.authentication[node])
     assert new_state.stage == "shared" and len(reply.ciphertexts) == 3
 
 
@@ -518,9 +519,9 @@ def test_per_client_traffic_matches_the_documented_formula():
     def array_bytes(records):
         return sum(a.nbytes for a in records[0].values())
 
-    expected = {
-        ADVERTISE_KEYS: (8, 64),
-        SHARE_KEYS: ((8 + 64) * degree, (8 + CIPHERTEXT_BYTES) * degree),
+    expected = {  # identity key and signature: 32 + 64 bytes per client
+        ADVERTISE_KEYS: (8, 64 + 96),
+        SHARE_KEYS: ((8 + 64 + 96) * degree, (8 + CIPHERTEXT_BYTES) * degree),
         COLLECT_MASKED_INPUT: ((8 + CIPHERTEXT_BYTES) * degree, 8 * length),
         UNMASK: (8 * degree, (8 + SHARE_BYTES) * degree),
     }
@@ -540,7 +541,12 @@ def test_server_treats_a_malformed_reply_as_a_dropout_and_rejects_strangers():
     server = run.server
     replies = {}
     for node, request in run.pending.items():
-        reply, _ = handle(run.client_state(node), request, update=updates[node])
+        reply, _ = handle(
+            run.client_state(node),
+            request,
+            update=updates[node],
+            authentication=run.authentication[node],
+        )
         replies[node] = reply
     short = min(replies)
     replies[short] = MaskedInputReply(0, replies[short].masked_input[:-1])

@@ -19,7 +19,10 @@ difference is small, so a small clipping range suffices), and its number of exam
 ``train.secagg`` stages then mask it (``advertise_keys`` only from ``trained`` of the same round,
 so an update is masked at most once; the others from ``secagg``), with the SecAgg client state
 kept under ``secagg.`` keys of the state's arrays and config; after ``unmask`` the client is
-``ready`` again and the update is gone.
+``ready`` again and the update is gone. The SecAgg keys are authenticated as the data owner
+chose when building the client (``authentication``: signed by its identity and checked against
+its pins, or semi-honest), never as the server says; a client built without a choice refuses
+the SecAgg stages.
 """
 
 from __future__ import annotations
@@ -53,7 +56,13 @@ from fedfm.protocols.double_blind.messages import (
 )
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.runtime.transport import Envelope
-from fedfm.secagg import ADVERTISE_KEYS, UNMASK, ClientSecAggState, decode_request
+from fedfm.secagg import (
+    ADVERTISE_KEYS,
+    UNMASK,
+    ClientSecAggState,
+    KeyAuthentication,
+    decode_request,
+)
 from fedfm.secagg import ClientUpdate as MaskedUpdate
 from fedfm.secagg import handle as handle_secagg
 from fedfm.secagg.messages import PREFIX as SECAGG
@@ -210,6 +219,9 @@ class DoubleBlindClient:
         server's. The default refuses plaintext and updates outside secure aggregation.
     partition_id:
         An ordering key for the server, not a secret.
+    authentication:
+        How this data owner authenticates the other clients' SecAgg keys (its identity and
+        pins, or the explicit semi-honest mode); ``None`` refuses secure aggregation.
     """
 
     def __init__(
@@ -219,11 +231,13 @@ class DoubleBlindClient:
         *,
         policy: DataOwnerPolicy | None = None,
         partition_id: int = -1,
+        authentication: KeyAuthentication | None = None,
     ) -> None:
         self.data = data
         self._backend = backend
         self.policy = policy or DataOwnerPolicy()
         self.partition_id = partition_id
+        self.authentication = authentication
 
     def backend_for(self, name: str) -> CryptoBackend:
         """The backend called ``name``: the data owner's own if it set one (which must match)."""
@@ -559,6 +573,12 @@ class DoubleBlindClient:
         self, envelope: Envelope, state: ClientState
     ) -> tuple[Envelope, ClientState]:
         """One SecAgg stage on the update this round's training left in the state."""
+        if self.authentication is None:
+            raise ConfigError(
+                "this data owner has no SecAgg identity: without one it cannot tell its "
+                "neighbours' keys from the server's (ClientApp: set node config 'identity-key' "
+                "and 'secagg-pins', or 'secagg-mode' = 'semi-honest' to trust the server)"
+            )
         request = decode_request(envelope.arrays, envelope.config)
         if isinstance(request, UnmaskRequest):  # the aggregate: the survivors and this client
             self.policy.check_aggregate(len(request.survivors) + 1)
@@ -578,7 +598,9 @@ class DoubleBlindClient:
             else ClientSecAggState.from_records(secagg_arrays, secagg_config)
         )
         update = MaskedUpdate(state.group("update"), int(state.config[UPDATE_WEIGHT]))
-        reply, secagg_state = handle_secagg(previous, request, update=update)
+        reply, secagg_state = handle_secagg(
+            previous, request, update=update, authentication=self.authentication
+        )
         answer = Envelope(TRAIN_SECAGG, envelope.node_id, envelope.round, *reply.to_records())
         kept = {k: v for k, v in state.arrays.items() if not k.startswith(SECAGG)}
         if request.stage == UNMASK:  # the last stage: the update has served its purpose

@@ -4,12 +4,14 @@ The same server and client roles as the Flower apps, wired through an
 :class:`~fedfm.runtime.transport.InProcessTransport` to the runtime's one in-process driver
 (:class:`~fedfm.runtime.local.LocalNode`: each client keeps only its state's records between
 messages, as in Flower's ``context.state``). Client data come from the clients' pool
-of the dataset splits, partitioned with flwr-datasets partitioners.
+of the dataset splits, partitioned with flwr-datasets partitioners. Each client signs its SecAgg
+keys with a fresh identity and pins the other clients' identities, unless the caller passes the
+data owners' own choices (``secagg_authentication``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,8 +28,10 @@ from fedfm.protocols.double_blind.defaults import FEDERATION
 from fedfm.protocols.double_blind.driver import Aggregator, RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.server import DoubleBlindServer
+from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, InProcessTransport
+from fedfm.secagg import KeyAuthentication
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ def run_in_process(
     policy: DataOwnerPolicy | None = None,
     randomness: RandomSource | None = None,
     log: Callable[[str], None] = print,
+    secagg_authentication: Sequence[KeyAuthentication] | None = None,
 ) -> tuple[list[RoundRecord], InProcessTransport]:
     """Run the protocol with every client in this process; return history and transport stats.
 
@@ -98,12 +103,31 @@ def run_in_process(
     ``randomness`` the server's secret stream (default: a fresh key from the OS; a stream from a
     secret file, or a :class:`~fedfm.crypto.randomness.ResearchStream` in experiments, makes a
     run reproducible).
+    ``secagg_authentication`` is each client's (in partition order) choice of SecAgg key
+    authentication, a data owner's setting; by default every client signs with a fresh
+    identity and pins the others' (:func:`~fedfm.protocols.secure_aggregation.signed_federation`).
     """
     backend = get_backend(config.backend)
     datasets = federation_data(splits, federation, config)
+    if secagg_authentication is None:
+        chosen = list(signed_federation(range(len(datasets))).values())
+    elif len(secagg_authentication) != len(datasets):
+        raise ConfigError(
+            f"secagg_authentication has {len(secagg_authentication)} entries for "
+            f"{len(datasets)} clients"
+        )
+    else:
+        chosen = list(secagg_authentication)
     handlers = {
         node_id: LocalNode(
-            DoubleBlindClient(data, backend, policy=policy, partition_id=node_id), ClientState
+            DoubleBlindClient(
+                data,
+                backend,
+                policy=policy,
+                partition_id=node_id,
+                authentication=chosen[node_id],
+            ),
+            ClientState,
         )
         for node_id, data in enumerate(datasets)
     }
