@@ -512,19 +512,25 @@ def _paper(args: argparse.Namespace) -> None:
     )
 
 
-def _train_llm(args: argparse.Namespace) -> None:
-    from fedfm.experiments.decoder import run_train_llm
+def decoder_source(args: argparse.Namespace):  # -> DecoderSource
+    """The embedded decoder ``fedfm train-llm``'s options describe (with no options: the one
+    ``load_decoder()`` loads)."""
     from fedfm.models.decoder.artefact import DecoderSource
     from fedfm.models.decoder.config import DecoderTraining
 
     training = DecoderTraining(
         **{field.name: getattr(args, field.name) for field in fields(DecoderTraining)}
     )
-    source = DecoderSource(
+    return DecoderSource(
         name=args.model, cache_dir=args.cache_dir, training=training, text_root=args.text_root
     )
+
+
+def _train_llm(args: argparse.Namespace) -> None:
+    from fedfm.experiments.decoder import run_train_llm
+
     run_train_llm(
-        source,
+        decoder_source(args),
         restart=args.restart,
         threads=args.threads,
         progress=not args.no_progress,

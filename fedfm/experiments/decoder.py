@@ -6,6 +6,7 @@ time, held-out perplexity against the unigram baseline, bits per byte, and greed
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ COLUMNS = (
     ("steps", "steps"),
     ("epochs", "epochs"),
     ("training_seconds", "training s"),
+    ("training_cpu_seconds", "training CPU s"),
     ("torch_threads", "threads"),
     ("held_out_perplexity", "held-out perplexity"),
     ("unigram_perplexity", "unigram perplexity"),
@@ -78,13 +80,18 @@ def write_decoder_results(
         "steps": training["steps"],
         "epochs": round(training["steps"] * training["batch_size"] / blocks_per_epoch, 2),
         "training_seconds": report["training_seconds"],
+        "training_cpu_seconds": report["training_cpu_seconds"],
         "torch_threads": report["environment"]["torch_threads"],
         "held_out_perplexity": report["held_out_perplexity"],
         "unigram_perplexity": report["unigram_perplexity"],
         "held_out_bits_per_byte": report["held_out_bits_per_byte"],
     }
     variant = report["variant"]
-    samples = "; ".join(f"`{s['prompt']}` -> `{s['completion']}`" for s in report["samples"])
+    load = report["environment"]["load_average_1min"]
+    # one line each: JSON string syntax shows the completions' line breaks as \n
+    samples = "; ".join(
+        f"`{s['prompt']}` -> `{json.dumps(s['completion'])[1:-1]}`" for s in report["samples"]
+    )
     description = (
         f"transformers `LlamaForCausalLM` ({variant['num_layers']} layers, hidden "
         f"{variant['hidden_size']}, {variant['num_heads']} heads, SwiGLU "
@@ -93,8 +100,10 @@ def write_decoder_results(
         f"docstrings (Python {text['python']}, {text['train_tokens']} tokens); held out: "
         f"{text['held_out_documents']} docstrings of {text['held_out_modules']} whole modules "
         f"({text['held_out_tokens']} tokens, {text['held_out_bytes_per_token']:.2f} bytes per "
-        "token). Training seconds exclude the held-out evaluations. Unigram: the training "
-        f"tokens' frequencies (add-one). Greedy samples: {samples}"
+        "token). Training seconds (wall) and CPU seconds (this process, all its threads) "
+        "exclude the held-out evaluations; the 1-minute load average of the machine was "
+        f"{load[0]:.1f} when training started and {load[1]:.1f} when it ended. Unigram: the "
+        f"training tokens' frequencies (add-one). Greedy samples: {samples}"
     )
     return write_results(
         results_dir,

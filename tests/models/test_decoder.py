@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import torch
 from huggingface_hub import constants as hub_constants
-from transformers import AttentionInterface, AutoTokenizer
+from transformers import AttentionInterface, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward as gpt2_eager_attention
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from fedfm.cli import main
+from fedfm.cli import build_parser, decoder_source, main
 from fedfm.data.stdlib_text import stdlib_documents, stdlib_root
 from fedfm.errors import CheckpointError, ConfigError, ModelError
 from fedfm.models.decoder import (
@@ -220,6 +221,28 @@ def test_registered_attention_wrapping_eager_gives_identical_logits(
     )
 
 
+def test_any_local_hugging_face_causal_lm_loads_the_same_way(
+    tmp_path: Path, micro: tuple[Any, Any], attention_names: list[str]
+) -> None:
+    _, tokenizer = micro
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=24, n_embd=16, n_layer=1, n_head=2,
+        bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    model, loaded = load_decoder(tmp_path)
+    assert type(model).__name__ == "GPT2LMHeadModel" and context_length(model) == 24
+    attention_names.append("fedfm_test_gpt2")
+    register_attention("fedfm_test_gpt2", gpt2_eager_attention)
+    swapped, _ = load_causal_lm(tmp_path, attn_implementation="fedfm_test_gpt2")
+    ids = loaded("Return the", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(swapped(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert len(greedy_generate(model, loaded, "Return the", max_new_tokens=5)) == 5
+
+
 def test_missing_decoder_is_refused_with_the_command_that_makes_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as error:
         load_decoder(cache_dir=tmp_path / "empty")
@@ -232,6 +255,8 @@ def test_unknown_model_offline_is_one_clear_error(monkeypatch: pytest.MonkeyPatc
         load_decoder("fedfm-tests/no-such-model")
     with pytest.raises(ModelError, match="no model folder"):
         load_causal_lm("./no/such/folder")
+    with pytest.raises(ModelError, match="is a file"):
+        load_decoder(__file__)
     with pytest.raises(ModelError, match="not registered"):
         load_decoder(attn_implementation="fedfm_never_registered")
 
@@ -282,3 +307,9 @@ def test_train_llm_command_prints_the_cache_and_perplexity(
     assert results["rows"][0]["held_out_perplexity"] == report["held_out_perplexity"]
     assert main(["train-llm", "--steps", "0", "--no-progress"]) == 2  # one-line error
     assert "steps must be >= 1" in capsys.readouterr().err
+
+
+def test_train_llm_defaults_make_what_load_decoder_loads() -> None:
+    args = build_parser().parse_args(["train-llm"])
+    assert decoder_source(args) == DecoderSource()
+    assert decoder_source(args).path == DecoderSource().path

@@ -20,7 +20,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm.data.stdlib_text import DocumentSplit, split_documents, stdlib_documents, stdlib_root
+import numpy as np
+
+from fedfm.data.stdlib_text import (
+    Document,
+    DocumentSplit,
+    split_documents,
+    stdlib_documents,
+    stdlib_root,
+)
 from fedfm.errors import CheckpointError, ModelError
 from fedfm.models.checkpoints import cache_key
 from fedfm.models.decoder.config import (
@@ -87,9 +95,18 @@ class DecoderSource:
         cap = self.training.max_documents
         if cap is None:
             return split
+        # a seeded subset of each side, in source order (not the first modules alphabetically)
         fraction = self.training.held_out_fraction
         held = max(1, round(cap * fraction / (1 - fraction)))
-        return DocumentSplit(train=split.train[:cap], held_out=split.held_out[:held])
+        rng = np.random.default_rng(self.training.seed)
+
+        def subset(documents: tuple[Document, ...], count: int) -> tuple[Document, ...]:
+            if count >= len(documents):
+                return documents
+            chosen = np.sort(rng.choice(len(documents), size=count, replace=False))
+            return tuple(documents[index] for index in chosen)
+
+        return DocumentSplit(train=subset(split.train, cap), held_out=subset(split.held_out, held))
 
     def train_command(self) -> str:
         """The ``fedfm train-llm`` command that makes this decoder."""

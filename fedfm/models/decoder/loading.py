@@ -124,6 +124,8 @@ def load_causal_lm(
             read_report(path)
         return load_folder(path, attn_implementation=attn_implementation)
     name = str(name_or_path)
+    if path.exists():
+        raise ModelError(f"{path} is a file: pass the folder that holds the model and tokenizer")
     if path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1:
         raise ModelError(f"no model folder at {name_or_path}")
     check_attention(attn_implementation)

@@ -59,6 +59,7 @@ def register_attention(
     so a function registered alone attends to future tokens; this also registers the mask
     builder of the built-in implementation ``mask`` (``eager``: an additive float mask, 0 where
     allowed and the dtype's minimum elsewhere; ``sdpa``: a boolean mask) under ``name``.
+    Both registries are transformers' own and global to the process.
     """
     if name in BUILT_IN_ATTENTION:
         raise ConfigError(f"attention implementation {name!r} is built in; register another name")

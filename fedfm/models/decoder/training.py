@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import platform
 import shutil
 import time
@@ -174,7 +175,7 @@ def train_decoder(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(training))
     identity = source.identity()
     state_path = source.work_path / STATE_FILE
-    step, elapsed, history = 0, 0.0, []
+    step, elapsed, cpu, history = 0, 0.0, 0.0, []
     if state_path.exists():
         state = read_checkpoint(state_path, expected_format=STATE_FORMAT)
         if state.get("identity") != json.loads(json.dumps(identity)):
@@ -185,7 +186,8 @@ def train_decoder(
         load_state_strict(model, state["model"], source=f"decoder state {state_path}")
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        step, elapsed, history = state["step"], state["elapsed"], list(state["history"])
+        step, elapsed, cpu = state["step"], state["elapsed"], state["cpu"]
+        history = list(state["history"])
         log(f"[fedfm] decoder: resuming from {state_path} after step {step}/{training.steps}")
     else:
         log(f"[fedfm] decoder: training {training.steps} steps (cached to {source.path})")
@@ -201,6 +203,7 @@ def train_decoder(
                 "schedule": schedule.state_dict(),
                 "step": step,
                 "elapsed": elapsed,
+                "cpu": cpu,
                 "history": history,
             },
         )
@@ -210,7 +213,8 @@ def train_decoder(
         disable=not progress,
     )  # fmt: skip
     running, seen = 0.0, 0
-    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
         while step < training.steps:
             epoch, index = batch_indices(step, blocks=len(train_blocks), training=training)
@@ -226,8 +230,9 @@ def train_decoder(
             running, seen = running + loss.item(), seen + 1
             bar.update(1)
             bar.set_postfix(loss=f"{running / seen:.3f}", epoch=epoch + 1)
-            now = time.perf_counter()
+            now, cpu_now = time.perf_counter(), time.process_time()
             elapsed, started = elapsed + now - started, now
+            cpu, cpu_started = cpu + cpu_now - cpu_started, cpu_now
             if step % training.eval_every == 0 or step == training.steps:
                 held_loss = mean_loss(model, held_blocks[:PROGRESS_EVAL_BLOCKS])
                 history.append(
@@ -238,6 +243,7 @@ def train_decoder(
                         "held_out_loss_first_blocks": held_loss,
                         "held_out_perplexity_first_blocks": math.exp(held_loss),
                         "seconds": round(elapsed, 2),
+                        "cpu_seconds": round(cpu, 2),
                     }
                 )
                 log(
@@ -247,7 +253,8 @@ def train_decoder(
                     f"{elapsed:.0f} s"
                 )
                 running, seen = 0.0, 0
-                started = time.perf_counter()  # evaluation time is not training time
+                # evaluation time is not training time
+                started, cpu_started = time.perf_counter(), time.process_time()
             if step % training.checkpoint_every == 0 or step % training.eval_every == 0:
                 checkpoint()
             if on_step is not None:
@@ -293,8 +300,13 @@ def train_decoder(
         "unigram_perplexity": unigram_perplexity(train_blocks, held_blocks, variant.vocab_size),
         "history": history,
         "samples": samples,
+        # wall time of the training steps (not the evaluations) and the CPU time of this process
+        # in them (all its threads): on a shared machine, CPU time is the work, wall time is
+        # what other processes left of it (the load averages say how busy it was)
         "training_seconds": elapsed,
+        "training_cpu_seconds": cpu,
         "environment": {
+            "load_average_1min": [load_before, os.getloadavg()[0]],
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
