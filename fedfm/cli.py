@@ -543,6 +543,7 @@ def _add_train_llm_arguments(parser: argparse.ArgumentParser) -> None:
     """``fedfm train-llm``'s options; the training ones are :class:`DecoderTraining`'s fields
     with its defaults (one table)."""
     from fedfm.models.decoder.config import (
+        DEFAULT_CACHE_DIR,
         DEFAULT_DECODER,
         EMBEDDED_DECODERS,
         TRAINING_HELP,
@@ -551,7 +552,7 @@ def _add_train_llm_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", choices=sorted(EMBEDDED_DECODERS), default=DEFAULT_DECODER)
     parser.add_argument(
-        "--cache-dir", type=Path, default=Path("runs/cache"), help="where the decoder is cached"
+        "--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the decoder is cached"
     )
     group = parser.add_argument_group("training (the cache key hashes these)")
     defaults = DecoderTraining()

@@ -313,3 +313,10 @@ def test_train_llm_defaults_make_what_load_decoder_loads() -> None:
     args = build_parser().parse_args(["train-llm"])
     assert decoder_source(args) == DecoderSource()
     assert decoder_source(args).path == DecoderSource().path
+
+
+def test_every_public_name_loads() -> None:
+    import fedfm.models.decoder as decoder
+
+    assert sorted(decoder.__all__) == sorted(decoder._HOME)
+    assert all(callable(getattr(decoder, name)) or name.isupper() for name in decoder.__all__)

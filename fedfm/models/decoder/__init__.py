@@ -33,10 +33,14 @@ if TYPE_CHECKING:
         build_decoder,
         check_vocabulary,
         context_length,
+        document_ids,
         encode_prompt,
         greedy_generate,
+        mean_loss,
         perplexity,
         register_attention,
+        token_blocks,
+        unigram_perplexity,
     )
     from fedfm.models.decoder.tokenizer import train_bpe
     from fedfm.models.decoder.training import train_decoder
@@ -53,6 +57,10 @@ _HOME = {
     "build_decoder": "model",
     "check_vocabulary": "model",
     "context_length": "model",
+    "document_ids": "model",
+    "mean_loss": "model",
+    "token_blocks": "model",
+    "unigram_perplexity": "model",
     "encode_prompt": "model",
     "greedy_generate": "model",
     "perplexity": "model",
@@ -69,15 +77,19 @@ __all__ = [
     "build_decoder",
     "check_vocabulary",
     "context_length",
+    "document_ids",
     "encode_prompt",
     "greedy_generate",
     "load_causal_lm",
     "load_decoder",
+    "mean_loss",
     "perplexity",
     "read_report",
     "register_attention",
+    "token_blocks",
     "train_bpe",
     "train_decoder",
+    "unigram_perplexity",
 ]
 
 

@@ -33,6 +33,7 @@ from fedfm.errors import CheckpointError, ModelError
 from fedfm.models.checkpoints import cache_key
 from fedfm.models.decoder.config import (
     DECODER_FORMAT,
+    DEFAULT_CACHE_DIR,
     DEFAULT_DECODER,
     DecoderTraining,
     DecoderVariant,
@@ -52,7 +53,7 @@ class DecoderSource:
     """
 
     name: str = DEFAULT_DECODER
-    cache_dir: Path = Path("runs/cache")
+    cache_dir: Path = DEFAULT_CACHE_DIR
     training: DecoderTraining = field(default_factory=DecoderTraining)
     text_root: Path | None = None
 

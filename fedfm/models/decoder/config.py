@@ -20,6 +20,7 @@ Sizing (the default, ``llama_fedfm_tiny``), for a few minutes of training on two
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from fedfm.errors import ConfigError
@@ -27,6 +28,7 @@ from fedfm.errors import ConfigError
 DECODER_FORMAT = "fedfm-decoder/1"
 STATE_FORMAT = "fedfm-decoder-state/1"
 DEFAULT_DECODER = "llama_fedfm_tiny"
+DEFAULT_CACHE_DIR = Path("runs/cache")  # shared with the ViT teacher's cache
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 BYTE_ALPHABET = 256  # a byte-level BPE starts from every byte

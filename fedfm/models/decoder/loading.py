@@ -17,11 +17,14 @@ from huggingface_hub import constants as hub_constants
 from fedfm.errors import ConfigError, ModelError
 from fedfm.hub import hub_unreachable_reason
 from fedfm.models.decoder.artefact import REPORT_FILE, DecoderSource, load_folder, read_report
-from fedfm.models.decoder.config import DEFAULT_DECODER, EMBEDDED_DECODERS, DecoderTraining
+from fedfm.models.decoder.config import (
+    DEFAULT_CACHE_DIR,
+    DEFAULT_DECODER,
+    EMBEDDED_DECODERS,
+    DecoderTraining,
+)
 from fedfm.models.decoder.model import check_attention
 from fedfm.models.decoder.training import train_decoder
-
-DEFAULT_CACHE_DIR = Path("runs/cache")
 
 
 def load_decoder(

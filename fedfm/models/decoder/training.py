@@ -169,8 +169,11 @@ def train_decoder(
         f"({held_blocks.numel()} tokens) from {len(split.held_out_modules())} held-out modules"
     )
 
-    torch.manual_seed(training.seed)  # transformers initialises weights from the global generator
-    model = build_decoder(variant, attn_implementation="sdpa")  # fastest on CPU; same maths
+    # transformers initialises weights from torch's global generator: seed it inside a fork so
+    # the caller's generator is left as it was
+    with torch.random.fork_rng():
+        torch.manual_seed(training.seed)
+        model = build_decoder(variant, attn_implementation="sdpa")  # fastest on CPU; same maths
     optimizer = _optimizer(model, training)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(training))
     identity = source.identity()
