@@ -20,10 +20,9 @@ import functools
 
 from flwr.app import Context, RecordDict
 
-from fedfm.crypto import get_backend
 from fedfm.errors import ConfigError
 from fedfm.flower import codec
-from fedfm.flower.apps import make_client_app
+from fedfm.flower.apps import make_client_app, node_config
 from fedfm.models.student import StudentSource
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import (
@@ -35,6 +34,7 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_SECAGG,
     DoubleBlindConfig,
 )
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data
 from fedfm.protocols.double_blind.settings import app_settings
 
@@ -52,11 +52,18 @@ def _partitions(
 
 
 def client_role(context: Context) -> DoubleBlindClient:
-    """The client role of this node: its partition of the pool and the run's crypto backend."""
+    """The client role of this node: its partition of the pool and its own privacy policy.
+
+    The policy (which backends it accepts, whether secure aggregation is required, ...) comes
+    from the node config (:class:`~fedfm.protocols.double_blind.policy.DataOwnerPolicy`), never
+    from the run config; the backend is the one the server's setup names, if the policy
+    accepts it.
+    """
     settings = app_settings(context.run_config)
+    own = node_config(context)
     try:
-        partition_id = int(context.node_config["partition-id"])
-        num_partitions = int(context.node_config["num-partitions"])
+        partition_id = int(own["partition-id"])
+        num_partitions = int(own["num-partitions"])
     except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(
             "the node config needs integer 'partition-id' and 'num-partitions' (simulation sets "
@@ -72,7 +79,9 @@ def client_role(context: Context) -> DoubleBlindClient:
     )
     data = _partitions(settings.student, federation, settings.protocol.eval_fraction)
     return DoubleBlindClient(
-        data[partition_id], get_backend(settings.protocol.backend), partition_id=partition_id
+        data[partition_id],
+        policy=DataOwnerPolicy.from_node_config(own),
+        partition_id=partition_id,
     )
 
 

@@ -3,8 +3,8 @@
 :func:`make_client_app` answers the runtime's two message types (``query.runtime_hello`` and
 ``query.runtime_step``) with :class:`~fedfm.runtime.NodeRuntime`, through the one ClientApp
 factory (:func:`fedfm.flower.apps.make_client_app`): the node's settings (roles, identity key,
-pins, inputs) come from its node config first, then the run config (see
-:mod:`fedfm.runtime.settings`); its state (the session's private key, sequence numbers, role
+pins, inputs) come from its own node config only, never from the run config the relay hands
+out (see :mod:`fedfm.runtime.settings`); its state (the session's private key, sequence numbers, role
 state) lives in ``context.state`` and the identity key in the file the node config names; they
 never leave the node. A request the node refuses (a tampered, replayed or misaddressed frame, a
 substituted key) gets an error reply naming the problem and leaves ``context.state`` as it was.
@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 
 from fedfm.flower import codec
 from fedfm.flower.apps import make_client_app as make_app
+from fedfm.flower.apps import node_config
 from fedfm.runtime import NodeRuntime, NodeState, ProtocolFactory, node_settings, split_run_config
 from fedfm.runtime.messages import HELLO, STEP
 
@@ -24,10 +25,10 @@ STATE_NAME = "fedfm.runtime"  # context.state records fedfm.runtime.arrays, fedf
 
 
 def node_runtime(build_protocol: ProtocolFactory, context: Context) -> NodeRuntime:
-    """This node's runtime: the protocol the run config describes, the roles and keys its
-    node config (or the run config) gives it."""
+    """This node's runtime: the protocol the run config describes, the roles and keys its own
+    node config gives it."""
     _, protocol_config = split_run_config(context.run_config)
-    settings = node_settings(context.node_config, context.run_config)
+    settings = node_settings(node_config(context))
     return NodeRuntime(
         build_protocol(protocol_config),
         roles=settings.roles,

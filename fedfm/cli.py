@@ -6,6 +6,7 @@
 ``fedfm adapt``    federated adaptation in one process: ours, linear probing or full fine-tuning.
 ``fedfm bench-protocol``    cost per FL round and accuracy of ours vs linear probing vs full FT.
 ``fedfm bench-extraction``  model-extraction attacks from a curious client's view (App. C).
+``fedfm red-team``  every attack on fedfm's promises against the current code, with its outcome.
 ``fedfm train-llm``  the embedded decoder LLM (FedRAG, SLIP, CENTAUR): train once, cache, report.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
@@ -222,7 +223,8 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int | No
         "--seed",
         type=int,
         default=FEDERATION.seed,
-        help="seeds partitions, the server's sampling and permutations, and initialisations",
+        help="seeds partitions and, in these in-process runs where you play every party, the "
+        "server's draws (reproducible, not secret; a Flower run's server keys its own)",
     )
     secagg = parser.add_argument_group("secure aggregation of the clients' updates")
     secagg.add_argument(
@@ -283,7 +285,6 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
         alpha=args.adapter_alpha,
         lr=protocol_lr,
         lr_decay=args.lr_decay,
-        seed=args.seed,
         backend=args.backend,
         reveal=args.reveal,
         secure_aggregation=args.secure_aggregation,
@@ -321,6 +322,7 @@ def _adapt(args: argparse.Namespace) -> None:
         config,
         federation,
         finetune=finetune,
+        seed=args.seed,
         checkpoint_dir=args.checkpoint_dir,
     )
     for record in result.history:
@@ -375,6 +377,23 @@ def _bench_extraction(args: argparse.Namespace) -> None:
         results_dir=args.results_dir,
         progress=not args.no_progress,
         command=args.command_line,
+    )
+
+
+def _red_team(args: argparse.Namespace) -> None:
+    from fedfm.experiments.red_team import run_red_team
+
+    extraction = None
+    if not args.skip_extraction:
+        config, federation, _ = _protocol_from_args(args)
+        extraction = (_run_from_args(args, args.workdir), config, federation)
+    results = run_red_team(
+        extraction=extraction, results_dir=args.results_dir, command=args.command_line
+    )
+    succeeded = [r.name for r in results if r.outcome != "defended"]
+    print(
+        f"[fedfm] red team: {len(results) - len(succeeded)} of {len(results)} defended; "
+        f"succeeding: {', '.join(succeeded) or 'none'}"
     )
 
 
@@ -677,6 +696,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-mlp", action="store_true", help="skip the MLP fit of attack (b) (faster)"
     )
     bench_extraction.set_defaults(handler=_bench_extraction)
+
+    red_team = commands.add_parser(
+        "red-team",
+        help="every attack on fedfm's promises against the current code (results/red_team.*)",
+    )
+    _add_run_arguments(red_team, protocol=True)
+    _add_protocol_arguments(red_team, rounds=3)
+    red_team.add_argument("--results-dir", type=Path, default=Path("results"))
+    red_team.add_argument(
+        "--skip-extraction",
+        action="store_true",
+        help="leave out the extraction attacks (they need the distilled student in --workdir)",
+    )
+    red_team.set_defaults(handler=_red_team)
 
     bench_reveal = commands.add_parser(
         "bench-reveal", help="tap sets: accuracy against a curious client's fits"

@@ -11,18 +11,36 @@ reply, the securely averaged adapter and head, instead of one per client.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
+from pathlib import Path
 
 from flwr.serverapp import Grid
 
 from fedfm.crypto import get_backend
+from fedfm.crypto.randomness import SecretStream
 from fedfm.flower.apps import log_info, make_server_app
 from fedfm.flower.transport import FlowerTransport, wait_for_nodes
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.protocols.double_blind.settings import app_settings
 from fedfm_strategies.aggregation import StrategyAggregator, make_strategy
+
+# The server's secret for reproducible research runs: a file only the server reads, named in the
+# ServerApp's own environment (never in the run config, which every client receives).
+SERVER_SECRET_ENV = "FEDFM_SERVER_SECRET_FILE"
+
+
+def server_randomness(log: Callable[[str], None]) -> SecretStream:
+    """The server's secret stream: keyed by ``$FEDFM_SERVER_SECRET_FILE`` if set, otherwise by
+    a fresh key from the operating system."""
+    path = os.environ.get(SERVER_SECRET_ENV)
+    if not path:
+        log("[fedfm] server randomness: a fresh key from the OS CSPRNG")
+        return SecretStream()
+    log(f"[fedfm] server randomness: keyed by the secret file ${SERVER_SECRET_ENV}")
+    return SecretStream.from_file(Path(path))
 
 
 def run_adaptation(
@@ -36,7 +54,12 @@ def run_adaptation(
     log(f"[fedfm] server model: FHE-friendly student {settings.student.student_path}")
     backend = get_backend(settings.protocol.backend)
     server = DoubleBlindServer(
-        model, settings.protocol, backend, num_classes=splits.pool.num_classes, log=log
+        model,
+        settings.protocol,
+        backend,
+        num_classes=splits.pool.num_classes,
+        randomness=server_randomness(log),
+        log=log,
     )
     nodes = wait_for_nodes(
         grid,

@@ -487,7 +487,9 @@ def test_a_student_distilled_for_another_dataset_is_refused(
     assert isinstance(obtain_student(DistillRun(workdir=e2e.workdir), log=print), FheViT)
 
 
-@pytest.mark.parametrize("command", ["adapt", "bench-protocol", "bench-reveal", "bench-extraction"])
+@pytest.mark.parametrize(
+    "command", ["adapt", "bench-protocol", "bench-reveal", "bench-extraction", "red-team"]
+)
 def test_protocol_options_default_to_the_one_table(command: str) -> None:
     """Every protocol option of every adaptation command defaults to the protocol's table; a
     command that deliberately runs fewer rounds says so in its help."""
@@ -516,4 +518,5 @@ def test_protocol_options_default_to_the_one_table(command: str) -> None:
         "seed": federation.seed,
     }
     assert {name: getattr(args, name) for name in expected} == expected
-    assert args.rounds == (3 if command == "bench-extraction" else config.rounds)
+    extraction = ("bench-extraction", "red-team")
+    assert args.rounds == (3 if command in extraction else config.rounds)

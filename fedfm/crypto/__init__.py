@@ -6,7 +6,8 @@ Layers, bottom up (a module imports only layers below its own; no cycle, late im
 1. **The backend seam and the plaintext backend**: :mod:`~fedfm.crypto.backend` (a data owner's
    :class:`KeyOwner`, an :class:`Evaluator` that only holds public bytes, client-assisted work as
    generators), :mod:`~fedfm.crypto.simulate`, :mod:`~fedfm.crypto.params` (the CKKS parameter
-   sets and their 128-bit security check).
+   sets and their 128-bit security check), :mod:`~fedfm.crypto.randomness` (a party's secret
+   randomness: a keyed stream cipher).
 2. **SEAL objects as numbers**: :mod:`~fedfm.crypto.seal_memory` (coefficients in SEAL's memory),
    :mod:`~fedfm.crypto.seal_raw` (the wire format, files, residues; the memory path's self-test),
    :mod:`~fedfm.crypto.rns_linear` (exact linear layers on residues).

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedfm.crypto.randomness import ResearchStream
 from fedfm.data import DataSplits
 from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT
@@ -50,6 +51,7 @@ from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.client import ClientData
 from fedfm.protocols.double_blind.config import DoubleBlindConfig, revealed_blocks
 from fedfm.protocols.double_blind.driver import RoundRecord, RunState, load_state, save_state
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.server import balanced_accuracy
 from fedfm.runtime.transport import InProcessTransport
@@ -82,6 +84,13 @@ class FineTuneConfig:
             )
 
 
+# The data owners of an in-process experiment, all played by one researcher: they accept what
+# the experiment runs (the plaintext ``simulate`` backend, a single client without secure
+# aggregation). Their server draws from ``ResearchStream(seed)`` (reproducible, not secret).
+# Right for measuring the protocol, never for a run with other parties.
+RESEARCHER_POLICY = DataOwnerPolicy(allow_plaintext=True, require_secure_aggregation=False)
+
+
 def check_method(method: str) -> None:
     if method not in METHODS:
         raise ConfigError(f"unknown adaptation method {method!r}; choose one of {list(METHODS)}")
@@ -93,12 +102,20 @@ def run_linear_probe(
     config: DoubleBlindConfig,
     federation: Federation,
     *,
+    seed: int = 0,
     checkpoint_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[list[RoundRecord], InProcessTransport]:
     """Linear probing in the protocol's harness: ``config`` with ``rank=0``."""
     return run_in_process(
-        model, splits, replace(config, rank=0), federation, checkpoint_dir=checkpoint_dir, log=log
+        model,
+        splits,
+        replace(config, rank=0),
+        federation,
+        checkpoint_dir=checkpoint_dir,
+        log=log,
+        policy=RESEARCHER_POLICY,
+        randomness=ResearchStream(seed),
     )
 
 
@@ -148,6 +165,7 @@ def run_full_finetune(
     federation: Federation,
     *,
     finetune: FineTuneConfig | None = None,
+    seed: int = 0,
     checkpoint_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[list[RoundRecord], FheViT]:
@@ -155,16 +173,17 @@ def run_full_finetune(
 
     Returns the history and the final global model (``student`` itself is not modified).
 
-    Uses ``config``'s rounds, batch size, batches per round, held-out fraction and seed; the
-    adapter settings and the learning rate of ``config`` do not apply (see ``finetune``).
+    Uses ``config``'s rounds, batch size, batches per round and held-out fraction, and ``seed``
+    for the batch draws and the head; the adapter settings and the learning rate of ``config``
+    do not apply (see ``finetune``).
     """
     finetune = finetune or FineTuneConfig()
     num_classes = splits.pool.num_classes
     datasets = federation_data(splits, federation, config)
-    seed = 0 if config.seed is None else config.seed
     model = finetune_model(student, num_classes, seed=seed)
     identity = {
         "method": "full-finetune",
+        "seed": seed,
         "config": config.to_config(),
         "federation": asdict(federation),
         "finetune": asdict(finetune),
@@ -172,7 +191,7 @@ def run_full_finetune(
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     history: list[RoundRecord] = []
     start_round = 1
-    rng = np.random.default_rng(config.seed)
+    rng = np.random.default_rng(seed)
     saved = load_state(checkpoint_dir, identity) if checkpoint_dir is not None else None
     if saved is not None:
         global_state = {k: torch.from_numpy(v) for k, v in saved.global_arrays.items()}
@@ -287,6 +306,7 @@ def run_adaptation(
     federation: Federation,
     *,
     finetune: FineTuneConfig | None = None,
+    seed: int = 0,
     checkpoint_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> AdaptationResult:
@@ -301,16 +321,23 @@ def run_adaptation(
             config,
             federation,
             finetune=finetune,
+            seed=seed,
             checkpoint_dir=checkpoint_dir,
             log=log,
         )
-        seed = 0 if config.seed is None else config.seed
         params = trainable_parameters(finetune_model(student, classes, seed=seed))
         return AdaptationResult(method, history, None, params)
     if method == "linear-probe":
         config = replace(config, rank=0)
     history, transport = run_in_process(
-        student, splits, config, federation, checkpoint_dir=checkpoint_dir, log=log
+        student,
+        splits,
+        config,
+        federation,
+        checkpoint_dir=checkpoint_dir,
+        log=log,
+        policy=RESEARCHER_POLICY,
+        randomness=ResearchStream(seed),
     )
     params = protocol_trainable_parameters(student, classes, config)
     return AdaptationResult(method, history, transport, params)

@@ -165,7 +165,12 @@ def _protocol_benchmark(
         for method in order:
             meter, clock = BlockTraffic(), _RoundClock(log)
             observed = run_observed(
-                student, datasets, configs[method], observers=[meter], log=clock
+                student,
+                datasets,
+                configs[method],
+                observers=[meter],
+                seed=federation.seed,
+                log=clock,
             )
             wall[method] += [record.seconds for record in observed.history]
             cpu[method] += clock.round_seconds()
@@ -196,8 +201,10 @@ def _protocol_benchmark(
                 "backend": method_config.backend,
             }
         )
-    seed = 0 if config.seed is None else config.seed
-    history, _ = run_full_finetune(student, splits, config, federation, finetune=finetune, log=log)
+    seed = federation.seed
+    history, _ = run_full_finetune(
+        student, splits, config, federation, finetune=finetune, seed=seed, log=log
+    )
     histories["full-finetune"] = [asdict(record) for record in history]
     rows.append(
         {
@@ -403,12 +410,14 @@ def _note(name: str) -> tuple[str, str]:
     return texts.get(what, name), "R^2"
 
 
-def _curious_run(
+def curious_run(
     student: FheViT,
     datasets: Sequence[ClientData],
     config: DoubleBlindConfig,
     backend: CryptoBackend,
     log: Callable[[str], None],
+    *,
+    seed: int,
 ) -> tuple[list[attacks.CuriousClient], ObservedRun]:
     """Run the protocol with every client that has enough data curious (it keeps its view)."""
     clients = [
@@ -416,7 +425,7 @@ def _curious_run(
         for node, data in enumerate(datasets)
         if min(len(data.eval_labels), len(data.train_labels)) >= config.batch_size
     ]
-    return clients, run_observed(student, datasets, config, observers=clients, log=log)
+    return clients, run_observed(student, datasets, config, observers=clients, seed=seed, log=log)
 
 
 def run_extraction_benchmark(
@@ -440,7 +449,9 @@ def run_extraction_benchmark(
     rows = []
     for permute in (False, True):
         run_config = replace(config, permute=permute)
-        clients, observed = _curious_run(student, datasets, run_config, backend, log)
+        clients, observed = curious_run(
+            student, datasets, run_config, backend, log, seed=federation.seed
+        )
         metrics = extraction_metrics(
             observed.server.num_blocks,
             datasets,
@@ -533,9 +544,11 @@ def run_reveal_benchmark(
     for reveal in reveals:
         shown = revealed_blocks(reveal, student.num_blocks)
         ours = replace(config, reveal=reveal)
-        result = run_adaptation("ours", student, splits, ours, federation)
+        result = run_adaptation("ours", student, splits, ours, federation, seed=federation.seed)
         curious = replace(ours, rounds=extraction_rounds)
-        clients, observed = _curious_run(student, datasets, curious, backend, log)
+        clients, observed = curious_run(
+            student, datasets, curious, backend, log, seed=federation.seed
+        )
         metrics = extraction_metrics(
             len(shown), datasets, curious, clients, observed.server.drawn, mlp=False
         )

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedfm.crypto import get_backend
+from fedfm.crypto.randomness import ResearchStream
 from fedfm.crypto.simulate import SimulatedBatch
 from fedfm.errors import ConfigError
+from fedfm.experiments.baselines import RESEARCHER_POLICY
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_BLOCK, DoubleBlindConfig
@@ -100,9 +102,14 @@ def run_observed(
     config: DoubleBlindConfig,
     *,
     observers: Sequence[Observer] = (),
+    seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> ObservedRun:
-    """Run the protocol over ``datasets`` (node ``i`` holds ``datasets[i]``) with observers."""
+    """Run the protocol over ``datasets`` (node ``i`` holds ``datasets[i]``) with observers.
+
+    One researcher plays every party: the data owners accept the plaintext ``simulate`` backend
+    and the server draws from ``ResearchStream(seed)`` (reproducible, not secret).
+    """
     if not datasets:
         raise ConfigError("an observed run needs at least one client")
     classes = {data.num_classes for data in datasets}
@@ -110,11 +117,22 @@ def run_observed(
         raise ConfigError(f"clients disagree on the number of classes: {sorted(classes)}")
     backend = get_backend(config.backend)
     handlers = {
-        node: ObservedClient(DoubleBlindClient(data, backend, partition_id=node), node, observers)
+        node: ObservedClient(
+            DoubleBlindClient(data, backend, policy=RESEARCHER_POLICY, partition_id=node),
+            node,
+            observers,
+        )
         for node, data in enumerate(datasets)
     }
     transport = InProcessTransport(handlers)  # type: ignore[arg-type]
-    server = RecordingServer(model, config, backend, num_classes=classes.pop(), log=log)
+    server = RecordingServer(
+        model,
+        config,
+        backend,
+        num_classes=classes.pop(),
+        randomness=ResearchStream(seed),
+        log=log,
+    )
     history = run_double_blind(server, transport, transport.node_ids(), log=log)
     return ObservedRun(history, transport, server)
 

@@ -208,7 +208,6 @@ def run_cell(
         rounds=spec.rounds,
         batch_size=setting.batch_size,
         min_batch_size=min(setting.batch_size, DEFAULT_MIN_BATCH_SIZE),
-        seed=seed,
         lr_decay=spec.lr_decay,
         secure_aggregation=setting.clients >= 2,
     )
@@ -216,7 +215,7 @@ def run_cell(
     started = time.perf_counter()
     if method == "full-finetune":
         history, model = run_full_finetune(
-            student, splits, config, federation, finetune=FineTuneConfig(), log=log
+            student, splits, config, federation, finetune=FineTuneConfig(), seed=seed, log=log
         )
         with torch.no_grad():
             predictions = model.eval()(splits.test.images).argmax(1).numpy()
@@ -224,7 +223,7 @@ def run_cell(
         parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     else:
         result = run_adaptation(
-            method, student, splits, config, federation, checkpoint_dir=scratch, log=log
+            method, student, splits, config, federation, seed=seed, checkpoint_dir=scratch, log=log
         )
         history, parameters = result.history, result.trainable_parameters
         if method == "linear-probe":

@@ -15,6 +15,9 @@ A protocol's server side is one function of the grid and the run config;
 
 from __future__ import annotations
 
+import os
+import shlex
+import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
@@ -25,7 +28,7 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
-from fedfm.errors import FedfmError
+from fedfm.errors import ConfigError, FedfmError
 from fedfm.flower.codec import (
     envelope_to_reply,
     load_state,
@@ -36,6 +39,41 @@ from fedfm.flower.codec import (
 from fedfm.runtime.transport import NodeRole, StateT
 
 RoleOf = Callable[[Context], NodeRole[StateT]]
+
+# A node's own settings for nodes that Flower starts without a ``--node-config`` (simulation):
+# ``key=value`` pairs in the environment of the process that runs the ClientApp, i.e. the
+# operator's, never the run config the server hands out.
+NODE_CONFIG_ENV = "FEDFM_NODE_CONFIG"
+
+
+def node_config(context: Context) -> dict[str, Any]:
+    """This node's config: ``context.node_config`` over the pairs in ``$FEDFM_NODE_CONFIG``.
+
+    The SuperNode's ``--node-config`` wins; the environment fills in what it lacks, so the
+    simulated nodes of one operator (which all share the same environment) can carry the
+    settings a real site would put on its SuperNode's command line.
+
+    Raises
+    ------
+    ConfigError
+        If ``$FEDFM_NODE_CONFIG`` is not ``key=value`` pairs.
+    """
+    return {**parse_node_config(os.environ.get(NODE_CONFIG_ENV, "")), **context.node_config}
+
+
+def parse_node_config(text: str) -> dict[str, Any]:
+    """``key=value`` pairs separated by spaces (Flower's ``--node-config`` syntax: TOML values,
+    bare words taken as strings)."""
+    values: dict[str, Any] = {}
+    for item in shlex.split(text):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"${NODE_CONFIG_ENV}: {item!r} is not key=value")
+        try:
+            values[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = raw
+    return values
 
 
 def log_info(line: str) -> None:

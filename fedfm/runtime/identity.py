@@ -160,8 +160,8 @@ class KeyBundle:
         pin = pins.get(role)
         if pin is None:
             raise IdentityError(
-                f"no identity fingerprint is pinned for role {role!r}: give it in node config "
-                "'pins' (or run config 'pins')"
+                f"no identity fingerprint is pinned for role {role!r}: give it in this node's "
+                "node config 'pins'"
             )
         offered = fingerprint(self.identity)
         if offered != pin:

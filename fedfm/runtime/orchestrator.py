@@ -198,7 +198,7 @@ def _roster(protocol: Protocol, replies: list[Envelope]) -> tuple[dict[str, int]
     if missing:
         raise ProtocolError(
             f"no node plays the roles {missing} of {protocol.name!r} (assign them with node "
-            "config 'roles' or run config 'role-partitions')"
+            "config 'roles', or 'role-partitions' for simulated nodes)"
         )
     return placement, bundles
 

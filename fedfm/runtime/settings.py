@@ -1,23 +1,25 @@
-"""The runtime's settings in Flower's node config and run config (parsed without Flower).
+"""The runtime's settings: a node's own in its node config, the run's in the run config.
 
-Node config (set by each site's operator when starting its SuperNode, out of the relay's reach)
-wins over run config (submitted with ``flwr run`` and handed out by the SuperLink):
+Everything that decides whom a node trusts and what it reveals comes only from its node config,
+set by each site's operator (``flower-supernode --node-config``; for simulated nodes, which
+Flower starts without one, ``$FEDFM_NODE_CONFIG`` in the operator's environment: see
+:func:`fedfm.flower.apps.node_config`). The run config is submitted with ``flwr run`` and handed
+out by the SuperLink, i.e. by the relay: a node never takes its roles, identity, pins or inputs
+from it, and a run config that names one of these keys is refused (:data:`NODE_ONLY_KEYS`).
 
-============== ========================= ==================================================
-node config    run config                meaning
-============== ========================= ==================================================
-``roles``      ``role-partitions``       the roles this node plays: ``"carol"``, or for
-                                         simulation ``"alice=0,bob=1,carol=2"`` (role =
-                                         partition id)
-``identity-key`` ``identity-dir``        the identity key file; for simulation a folder of
-                                         ``node-<partition-id>.key`` files
-``pins``       ``pins``                  ``"alice=<fingerprint>,..."``: the identity expected
-                                         for each peer role
-``inputs-dir`` ``inputs-dir``            a folder of ``<role>.npz`` private inputs
-============== ========================= ==================================================
+=================== ===================================================================
+node config         meaning
+=================== ===================================================================
+``roles``           the roles this node plays: ``"carol"``
+``role-partitions`` simulation: ``"alice=0,bob=1,carol=2"`` (role = partition id)
+``identity-key``    the identity key file
+``identity-dir``    simulation: a folder of ``node-<partition-id>.key`` files
+``pins``            ``"alice=<fingerprint>,..."``: the identity expected for each peer role
+``inputs-dir``      a folder of ``<role>.npz`` private inputs
+=================== ===================================================================
 
-The ServerApp reads ``num-nodes``, ``timeout``, ``connect-timeout`` and ``results-file``. Every
-other run config key belongs to the protocol.
+The ServerApp reads ``num-nodes``, ``timeout``, ``connect-timeout`` and ``results-file`` from
+the run config. Every other run config key belongs to the protocol.
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ from fedfm.runtime.transport import ConfigValue
 ProtocolFactory = Callable[[Mapping[str, ConfigValue]], Protocol]
 
 RUN_CONFIG_DEFAULTS: dict[str, ConfigValue] = {
-    "role-partitions": "",
-    "identity-dir": "",
-    "pins": "",
-    "inputs-dir": "",
     "num-nodes": 0,  # nodes to wait for; 0: one per role
     "timeout": 60.0,  # seconds per round trip; 0: no limit
     "connect-timeout": 60.0,  # seconds to wait for the nodes
     "results-file": "",  # the ServerApp writes the run's result there as JSON
 }
+
+
+# A node's trust and secrets: set by its operator, never by the relay's run config.
+NODE_ONLY_KEYS = ("roles", "role-partitions", "identity-key", "identity-dir", "pins", "inputs-dir")
 
 
 def identity_file(directory: Path, partition_id: int) -> Path:
@@ -56,7 +58,21 @@ def identity_file(directory: Path, partition_id: int) -> Path:
 def split_run_config(
     run_config: Mapping[str, ConfigValue],
 ) -> tuple[dict[str, ConfigValue], dict[str, ConfigValue]]:
-    """The runtime's keys (defaults filled in, types checked) and the protocol's keys."""
+    """The runtime's keys (defaults filled in, types checked) and the protocol's keys.
+
+    Raises
+    ------
+    ConfigError
+        If a key belongs to a node's own config (:data:`NODE_ONLY_KEYS`): the relay hands the
+        run config out, so pins, roles, identities and inputs never come from it.
+    """
+    relayed = sorted(set(run_config) & set(NODE_ONLY_KEYS))
+    if relayed:
+        raise ConfigError(
+            f"run config keys {relayed} are refused: roles, identities, pins and inputs come "
+            "only from each node's own node config (flower-supernode --node-config, or "
+            "$FEDFM_NODE_CONFIG for simulated nodes), never from the run config the relay hands out"
+        )
     runtime = dict(RUN_CONFIG_DEFAULTS)
     protocol = {}
     for key, value in run_config.items():
@@ -99,8 +115,8 @@ class NodeSettings:
             return None
         if self.identity_key is None:
             raise ConfigError(
-                "no identity key: set node config 'identity-key' (or run config 'identity-dir' "
-                "in simulation)"
+                "no identity key: set node config 'identity-key' (or 'identity-dir' for "
+                "simulated nodes)"
             )
         return Identity.load(self.identity_key)
 
@@ -112,28 +128,38 @@ class NodeSettings:
             return {name: archive[name] for name in archive.files}
 
 
-def node_settings(
-    node_config: Mapping[str, ConfigValue], run_config: Mapping[str, ConfigValue]
-) -> NodeSettings:
-    """A node's settings from its node config and the run config; see the module docstring."""
-    runtime, _ = split_run_config(run_config)
+def node_settings(node_config: Mapping[str, ConfigValue]) -> NodeSettings:
+    """A node's settings from its own node config alone; see the module docstring.
+
+    Raises
+    ------
+    ConfigError
+        If ``role-partitions`` or ``identity-dir`` (the simulation forms) are given to a node
+        without an integer ``partition-id``.
+    """
     partition = node_config.get("partition-id")
+    simulated = [key for key in ("role-partitions", "identity-dir") if key in node_config]
+    if simulated and not isinstance(partition, int):
+        raise ConfigError(
+            f"node config {simulated} name settings by partition, but this node has no integer "
+            "'partition-id'"
+        )
     if "roles" in node_config:
         roles = frozenset(r for r in re.split(r"[,\s]+", str(node_config["roles"])) if r)
     else:
-        assigned = _role_partitions(str(runtime["role-partitions"]))
+        assigned = _role_partitions(str(node_config.get("role-partitions", "")))
         roles = frozenset(role for role, part in assigned.items() if part == partition)
     if "identity-key" in node_config:
         identity_key: Path | None = Path(str(node_config["identity-key"]))
-    elif runtime["identity-dir"] and isinstance(partition, int):
-        identity_key = identity_file(Path(str(runtime["identity-dir"])), partition)
+    elif "identity-dir" in node_config and isinstance(partition, int):
+        identity_key = identity_file(Path(str(node_config["identity-dir"])), partition)
     else:
         identity_key = None
-    inputs = str(node_config.get("inputs-dir", runtime["inputs-dir"]))
+    inputs = str(node_config.get("inputs-dir", ""))
     return NodeSettings(
         roles=roles,
         identity_key=identity_key,
-        pins=parse_pins(str(node_config.get("pins", runtime["pins"]))),
+        pins=parse_pins(str(node_config.get("pins", ""))),
         inputs_dir=Path(inputs) if inputs else None,
     )
 

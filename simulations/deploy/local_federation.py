@@ -268,14 +268,18 @@ class LocalFederation:
         self.supernodes[index] = node
         return node
 
-    def start_supernodes(self, count: int) -> list[SuperNode]:
-        """Start SuperNodes ``0 .. count-1`` with the CA and their registered keys."""
+    def start_supernodes(
+        self, count: int, *, node_config: Mapping[str, RunValue] | None = None
+    ) -> list[SuperNode]:
+        """Start SuperNodes ``0 .. count-1`` with the CA and their registered keys; each site's
+        own ``node_config`` (e.g. its privacy policy) joins its partition on ``--node-config``."""
         return [
             self.start_supernode(
                 index,
                 num_partitions=count,
                 private_key=self.credentials.node_keys[index],
                 root_certificates=self.credentials.ca_cert,
+                node_config=node_config,
             )
             for index in range(count)
         ]

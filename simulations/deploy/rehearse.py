@@ -12,7 +12,9 @@ ports in place of the sites' addresses:
 2. ``flower-superlink`` with TLS and SuperNode authentication;
 3. ``flwr supernode register`` of each SuperNode's public key;
 4. ``K`` ``flower-supernode`` processes, node ``k`` with the CA certificate, its private key and
-   ``--node-config 'partition-id=k num-partitions=K'``;
+   ``--node-config 'partition-id=k num-partitions=K allow-plaintext=true'`` (the site's own
+   privacy policy: ``--site-config``; ``allow-plaintext=true`` by default because the default
+   backend ``simulate`` sends images in plaintext, which a data owner must accept explicitly);
 5. ``flwr run simulations/double_blind`` (double-blind adaptation, ``K`` clients, 1 round unless
    ``--run-config`` says otherwise), ``flwr log RUN_ID --stream`` until it ends, ``flwr ls``.
 
@@ -52,7 +54,14 @@ def _stop_on_sigterm(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def rehearse(workspace: Path, nodes: int, overrides: dict[str, RunValue], *, keep: bool) -> int:
+def rehearse(
+    workspace: Path,
+    nodes: int,
+    overrides: dict[str, RunValue],
+    *,
+    keep: bool,
+    site_config: dict[str, RunValue] | None = None,
+) -> int:
     """Run the whole rehearsal in ``workspace``; 0 if the run completed."""
     started = time.monotonic()
     _say(f"credentials in {workspace / 'credentials'}")
@@ -63,7 +72,7 @@ def rehearse(workspace: Path, nodes: int, overrides: dict[str, RunValue], *, kee
         _say(f"operator: register the sites' public keys ({federation.operator_home}/config.toml)")
         federation.register_all(nodes)
         _say(f"sites: {nodes} SuperNodes, each with the CA certificate and its own key")
-        federation.start_supernodes(nodes)
+        federation.start_supernodes(nodes, node_config=site_config)
         federation.wait_for_nodes(nodes)
         federation.flwr("supernode", "ls", "fedfm-deploy", capture=False)
         _say(f"all {nodes} SuperNodes online after {time.monotonic() - started:.0f} s")
@@ -102,17 +111,28 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="run config overrides for flwr run, e.g. \"rounds=3 strategy='fedadam'\"",
     )
+    parser.add_argument(
+        "--site-config",
+        default="allow-plaintext=true",
+        help="every site's own node config (its privacy policy), e.g. \"min-aggregate=3\" "
+        "(default: allow-plaintext=true, for the default simulate backend)",
+    )
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
     overrides = parse_config_args(args.run_config) if args.run_config else {}
+    site_config = parse_config_args([args.site_config]) if args.site_config else {}
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         if args.workspace is not None:
             args.workspace.mkdir(parents=True, exist_ok=True)
-            return rehearse(args.workspace.resolve(), args.nodes, overrides, keep=True)
+            return rehearse(
+                args.workspace.resolve(), args.nodes, overrides, keep=True, site_config=site_config
+            )
         with tempfile.TemporaryDirectory(prefix="fedfm-rehearsal-") as workspace:
-            return rehearse(Path(workspace), args.nodes, overrides, keep=False)
+            return rehearse(
+                Path(workspace), args.nodes, overrides, keep=False, site_config=site_config
+            )
     except DeploymentError as error:
         _say(f"failed: {error}")
         return 1

@@ -18,6 +18,13 @@ What it does, because Flower 1.41 needs it done:
   ``workdir`` made absolute (the student ``fedfm distill`` wrote there; without one the script stops
   before starting Flower, naming the command); further arguments go to ``flwr run`` as they are,
   e.g. ``--run-config "rounds=2 strategy='fedadam'"``;
+* the simulated data owners' own settings (their privacy policy:
+  :mod:`fedfm.protocols.double_blind.policy`) from ``--node-config`` (default
+  ``allow-plaintext=true``: the default backend ``simulate`` sends images in plaintext, which a
+  data owner must accept explicitly), passed as ``$FEDFM_NODE_CONFIG`` to the processes that run
+  the ClientApps; never through the run config, which the server hands out;
+* the server's randomness keyed by ``--server-secret-file`` (``$FEDFM_SERVER_SECRET_FILE`` of the
+  ServerApp; default: a fresh key from the OS) for reproducible runs;
 * the exit status is 0 only if Flower reports the run ``finished:completed``.
 """
 
@@ -39,6 +46,10 @@ APP = Path(__file__).resolve().parent
 ROOT = APP.parents[1]
 CONNECTION = "fedfm-local"
 BIN = Path(sys.executable).parent
+# read by fedfm.flower.apps.node_config and strategies/double_blind.py (not imported here: this
+# script starts Flower and must stay light)
+NODE_CONFIG_ENV = "FEDFM_NODE_CONFIG"
+SERVER_SECRET_ENV = "FEDFM_SERVER_SECRET_FILE"
 
 
 def _free_port() -> int:
@@ -126,7 +137,7 @@ def _run_status(env: dict[str, str], seconds: float = 30.0) -> str:
     return status
 
 
-def run(supernodes: int, home: Path, flwr_args: list[str]) -> int:
+def run(supernodes: int, home: Path, flwr_args: list[str], *, node_config: str = "") -> int:
     """Start a SuperLink, run the double-blind app, stop the SuperLink; 0 if the run completed."""
     workdir = ROOT / "runs" / "distill"
     student = workdir / "student.pt"
@@ -135,20 +146,28 @@ def run(supernodes: int, home: Path, flwr_args: list[str]) -> int:
         print(f"[fedfm] no distilled student at {student}: run `fedfm distill` first")
         return 2
     defaults = f"num-clients={supernodes} workdir='{workdir}'"
-    status = run_app(APP, supernodes, home, ["--run-config", defaults, *flwr_args])
+    status = run_app(
+        APP, supernodes, home, ["--run-config", defaults, *flwr_args], node_config=node_config
+    )
     print(f"[fedfm] flwr run: {status}; SuperLink stopped")
     return 0 if status == "finished:completed" else 1
 
 
-def run_app(app: Path, supernodes: int, home: Path, flwr_args: list[str]) -> str:
+def run_app(
+    app: Path, supernodes: int, home: Path, flwr_args: list[str], *, node_config: str = ""
+) -> str:
     """Run the Flower App in ``app`` on a private simulation SuperLink; the run's final status.
 
-    ``flwr_args`` go to ``flwr run`` after the app, the connection and the federation config.
+    ``flwr_args`` go to ``flwr run`` after the app, the connection and the federation config;
+    ``node_config`` (``key=value`` pairs) is every simulated node's own config, handed to the
+    processes that run the ClientApps as ``$FEDFM_NODE_CONFIG``.
     """
     # Ray's own folder: short (its socket paths must stay under 108 bytes) and private (Ray
     # would join a cluster another user started with `ray start` under the shared /tmp/ray)
     with tempfile.TemporaryDirectory(prefix="fedfm-ray-", ignore_cleanup_errors=True) as ray:
         env = _environment(home, Path(ray))
+        if node_config:
+            env[NODE_CONFIG_ENV] = node_config
         port = _free_port()
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
@@ -200,12 +219,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--flwr-home", type=Path, help="FLWR_HOME to use (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--node-config",
+        default=os.environ.get(NODE_CONFIG_ENV, "allow-plaintext=true"),
+        help="the simulated data owners' own settings, key=value pairs "
+        "(default: $FEDFM_NODE_CONFIG or allow-plaintext=true)",
+    )
+    parser.add_argument(
+        "--server-secret-file",
+        type=Path,
+        help="key the server's draws with this secret file (reproducible runs)",
+    )
     args, flwr_args = parser.parse_known_args(argv)
+    print(f"[fedfm] simulated data owners' node config: {args.node_config!r}")
+    if args.server_secret_file is not None:
+        os.environ[SERVER_SECRET_ENV] = str(args.server_secret_file.resolve())
+    node_config = args.node_config
     if args.flwr_home is not None:
         args.flwr_home.mkdir(parents=True, exist_ok=True)
-        return run(args.supernodes, args.flwr_home.resolve(), flwr_args)
+        return run(args.supernodes, args.flwr_home.resolve(), flwr_args, node_config=node_config)
     with tempfile.TemporaryDirectory(prefix="fedfm-flwr-") as home:
-        return run(args.supernodes, Path(home), flwr_args)
+        return run(args.supernodes, Path(home), flwr_args, node_config=node_config)
 
 
 if __name__ == "__main__":

@@ -101,8 +101,9 @@ def real_inputs(clients: int, *, seed: int, public_size: int, queries: int) -> d
     return inputs
 
 
-def prepare(workspace: Path, inputs: dict) -> dict[str, str]:
-    """Identities, pins, inputs (with report keys) in ``workspace``; the run config."""
+def prepare(workspace: Path, inputs: dict) -> tuple[dict[str, object], str]:
+    """Identities, pins, inputs (with report keys) in ``workspace``; the run config and the
+    simulated nodes' own node config (see ``simulations/runtime_demo/run.py``)."""
     identities, folder = workspace / "identities", workspace / "inputs"
     identities.mkdir(parents=True)
     folder.mkdir()
@@ -114,13 +115,18 @@ def prepare(workspace: Path, inputs: dict) -> dict[str, str]:
     for role, arrays in inputs.items():
         extra = {} if role == PROVIDER else {"report_key": np.frombuffer(os.urandom(32), np.uint8)}
         np.savez(folder / f"{role}.npz", **arrays, **extra)
-    return {
+    node_config = {
         "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(roles)),
         "identity-dir": str(identities),
         "pins": format_pins(pins),
         "inputs-dir": str(folder),
-        "results-file": str(workspace / "result.json"),
     }
+    return {"results-file": str(workspace / "result.json")}, config_pairs(node_config)
+
+
+def config_pairs(values: dict[str, object]) -> str:
+    """``key="value" ...``: Flower's ``--run-config`` / ``--node-config`` syntax."""
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
 
 
 def check_reports(workspace: Path, clients: int) -> list[tuple[bool, str]]:
@@ -164,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedfm-helix-") as temporary:
         workspace = (args.workspace or Path(temporary)).resolve()
         workspace.mkdir(parents=True, exist_ok=True)
-        config = prepare(workspace, inputs)
+        config, node_config = prepare(workspace, inputs)
         config["clients"] = args.clients
         home = workspace / "flwr-home"
         home.mkdir()
-        overrides = " ".join(f"{key}={json.dumps(value)}" for key, value in config.items())
-        status = launcher.run_app(APP, len(inputs), home, ["--run-config", overrides, *flwr_args])
+        overrides = ["--run-config", config_pairs(config), *flwr_args]
+        status = launcher.run_app(APP, len(inputs), home, overrides, node_config=node_config)
         print(f"[fedfm] flwr run: {status}; SuperLink stopped")
         if status != "finished:completed":
             return 1

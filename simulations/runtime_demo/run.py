@@ -51,8 +51,10 @@ def _double_blind_launcher():
 launcher = _double_blind_launcher()
 
 
-def prepare(workspace: Path, *, length: int, seed: int) -> dict[str, str]:
-    """Identities, pins and inputs for the three nodes in ``workspace``; the run config."""
+def prepare(workspace: Path, *, length: int, seed: int) -> tuple[dict[str, str], str]:
+    """Identities, pins and inputs for the three nodes in ``workspace``; the run config and
+    the simulated nodes' own node config (roles by partition, identity folder, pins, inputs:
+    nothing a node trusts comes from the run config)."""
     identities, inputs = workspace / "identities", workspace / "inputs"
     identities.mkdir(parents=True)
     inputs.mkdir()
@@ -63,13 +65,18 @@ def prepare(workspace: Path, *, length: int, seed: int) -> dict[str, str]:
     rng = np.random.default_rng(seed)
     for role in ROLES[:2]:
         np.savez(inputs / f"{role}.npz", x=rng.integers(-(2**40), 2**40, size=length))
-    return {
+    node_config = {
         "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(ROLES)),
         "identity-dir": str(identities),
         "pins": format_pins(pins),
         "inputs-dir": str(inputs),
-        "results-file": str(workspace / "result.json"),
     }
+    return {"results-file": str(workspace / "result.json")}, config_pairs(node_config)
+
+
+def config_pairs(values: dict[str, str]) -> str:
+    """``key="value" ...``: Flower's ``--run-config`` / ``--node-config`` syntax."""
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
 
 
 def expected_sum(workspace: Path) -> list[int]:
@@ -78,12 +85,13 @@ def expected_sum(workspace: Path) -> list[int]:
     return (vectors[0] + vectors[1]).tolist()
 
 
-def run(workspace: Path, config: dict[str, str], flwr_args: list[str]) -> str:
-    """Start a SuperLink, run the app with ``config``, stop the SuperLink; the run's status."""
+def run(workspace: Path, config: dict[str, str], node_config: str, flwr_args: list[str]) -> str:
+    """Start a SuperLink, run the app with ``config`` (run config) and ``node_config`` (every
+    simulated node's own), stop the SuperLink; the run's status."""
     home = workspace / "flwr-home"
     home.mkdir()
-    overrides = " ".join(f"{key}={json.dumps(value)}" for key, value in config.items())
-    return launcher.run_app(APP, len(ROLES), home, ["--run-config", overrides, *flwr_args])
+    overrides = ["--run-config", config_pairs(config), *flwr_args]
+    return launcher.run_app(APP, len(ROLES), home, overrides, node_config=node_config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedfm-runtime-") as temporary:
         workspace = (args.workspace or Path(temporary)).resolve()
         workspace.mkdir(parents=True, exist_ok=True)
-        config = prepare(workspace, length=args.length, seed=args.seed)
-        status = run(workspace, config, flwr_args)
+        config, node_config = prepare(workspace, length=args.length, seed=args.seed)
+        status = run(workspace, config, node_config, flwr_args)
         print(f"[fedfm] flwr run: {status}; SuperLink stopped")
         if status != "finished:completed":
             return 1

@@ -18,10 +18,12 @@ import torch
 from fedfm.approx.modules import calibrate
 from fedfm.approx.specs import ApproxConfig
 from fedfm.cli import main
+from fedfm.crypto.randomness import ResearchStream
 from fedfm.data import DataSplits
 from fedfm.distillation.pipeline import ApproxSettings, DistillRun, load_data, save_student
 from fedfm.errors import CheckpointError, ConfigError
 from fedfm.experiments.baselines import (
+    RESEARCHER_POLICY,
     FineTuneConfig,
     finetune_model,
     run_adaptation,
@@ -34,7 +36,7 @@ from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 
 FEDERATION = Federation(num_clients=2, scheme="iid")
-CONFIG = DoubleBlindConfig(rounds=2, batch_size=16, batches_per_round=2, seed=0)
+CONFIG = DoubleBlindConfig(rounds=2, batch_size=16, batches_per_round=2)
 DATA = ["--image-size", "16", "--max-samples", "200", "--no-progress"]
 SMALL = ["--rounds", "2", "--clients", "2", "--partition", "iid", "--batches-per-round", "2"]
 
@@ -78,6 +80,8 @@ def test_linear_probe_is_the_protocol_with_rank_zero(
         replace(CONFIG, rank=0),
         FEDERATION,
         checkpoint_dir=tmp_path / "direct",
+        policy=RESEARCHER_POLICY,
+        randomness=ResearchStream(0),
         log=quiet,
     )
     # The same run up to secure aggregation's stochastic rounding (each aggregate within one
@@ -111,7 +115,7 @@ def test_full_finetune_is_fedavg_of_one_sgd_step_per_client(
         student, splits, config, federation, finetune=finetune, log=quiet
     )
     datasets = federation_data(splits, federation, config)
-    rng = np.random.default_rng(config.seed)
+    rng = np.random.default_rng(0)  # run_full_finetune's default seed
     start = finetune_model(student, 10, seed=0)
     states, weights = [], []
     for data in datasets:
@@ -160,7 +164,7 @@ def test_full_finetune_resumes_from_its_checkpoint(
     assert [r.round for r in history] == [1, 2]
     with pytest.raises(CheckpointError, match="other settings"):
         run_full_finetune(
-            student, splits, replace(CONFIG, seed=5), FEDERATION, checkpoint_dir=tmp_path, log=quiet
+            student, splits, CONFIG, FEDERATION, seed=5, checkpoint_dir=tmp_path, log=quiet
         )
 
 

@@ -71,18 +71,18 @@ def datasets(splits: DataSplits) -> list[ClientData]:
 
 def observe(student: FheViT, datasets: list[ClientData], config: DoubleBlindConfig) -> Run:
     client = attacks.CuriousClient(NODE, get_backend("simulate"))
-    observed = run_observed(student, datasets, config, observers=[client], log=quiet)
+    observed = run_observed(student, datasets, config, observers=[client], seed=1, log=quiet)
     return Run(observed, client, datasets, config)
 
 
 @pytest.fixture(scope="module")
 def permuted(student: FheViT, datasets: list[ClientData]) -> Run:
-    return observe(student, datasets, DoubleBlindConfig(rounds=3, batch_size=BATCH, seed=1))
+    return observe(student, datasets, DoubleBlindConfig(rounds=3, batch_size=BATCH))
 
 
 @pytest.fixture(scope="module")
 def unpermuted(student: FheViT, datasets: list[ClientData]) -> Run:
-    config = DoubleBlindConfig(rounds=3, batch_size=BATCH, seed=1, permute=False)
+    config = DoubleBlindConfig(rounds=3, batch_size=BATCH, permute=False)
     return observe(student, datasets, config)
 
 

@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from fedfm.crypto.randomness import SecretStream, write_secret_file
 from fedfm.data import load_splits
 from fedfm.distillation.pipeline import load_student
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import run_in_process
 from fedfm.protocols.double_blind.settings import app_settings
+from fedfm_strategies.double_blind import SERVER_SECRET_ENV
 from tests.helpers import save_micro_student
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,8 +45,13 @@ only_if_slow_selected = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def deploy(monkeypatch_module):
-    """The modules of ``simulations/deploy`` (scripts, not an installed package)."""
+def deploy(monkeypatch_module, tmp_path_factory):
+    """The modules of ``simulations/deploy`` (scripts, not an installed package); the SuperLink
+    these tests start keys the server's draws by a secret file of its own environment, so that
+    its runs can be compared with in-process runs."""
+    secret = tmp_path_factory.mktemp("server") / "server.secret"
+    write_secret_file(secret)
+    monkeypatch_module.setenv(SERVER_SECRET_ENV, str(secret))
     monkeypatch_module.syspath_prepend(str(DEPLOY))
     import certificates
     import local_federation
@@ -125,7 +133,8 @@ def start_federation(deploy, credentials, workspace: Path):
     try:
         federation.start_superlink()
         federation.register_all(NODES)
-        federation.start_supernodes(NODES)
+        # each site's own policy: it accepts the plaintext simulate backend of these tests
+        federation.start_supernodes(NODES, node_config={"allow-plaintext": True})
         federation.wait_for_nodes(NODES)
     except BaseException:
         federation.close()
@@ -159,6 +168,8 @@ def in_process_history(config: dict[str, object], student_dir: Path) -> list:
         splits,
         settings.protocol,
         settings.federation,
+        policy=DataOwnerPolicy(allow_plaintext=True),
+        randomness=SecretStream.from_file(Path(os.environ[SERVER_SECRET_ENV])),
         log=lambda _line: None,
     )
     return history

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -28,9 +29,11 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedfm.approx import calibrate
 from fedfm.crypto import SimulateBackend
+from fedfm.crypto.randomness import SecretStream, write_secret_file
 from fedfm.data import load_splits
 from fedfm.distillation.pipeline import ApproxSettings, load_student, save_student
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.flower.apps import NODE_CONFIG_ENV, parse_node_config
 from fedfm.flower.codec import envelope_to_message, envelope_to_reply, message_to_envelope
 from fedfm.flower.transport import FlowerTransport
 from fedfm.models import ModelSpec, to_fhe_friendly
@@ -50,6 +53,7 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_SECAGG,
 )
 from fedfm.protocols.double_blind.defaults import PROTOCOL
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
 from fedfm.protocols.secure_aggregation import run_in_process as secure_aggregate
@@ -64,7 +68,7 @@ from fedfm_strategies.aggregation import (
     make_strategy,
     task_identity,
 )
-from fedfm_strategies.double_blind import run_adaptation
+from fedfm_strategies.double_blind import SERVER_SECRET_ENV, run_adaptation
 from tests.helpers import processes_with, save_micro_student
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +85,23 @@ def identity():
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def server_secret(tmp_path_factory) -> Path:
+    """The model owner's secret file: keys the server's draws in every run of this module, so a
+    Flower run and an in-process run draw the same batches and permutations."""
+    path = tmp_path_factory.mktemp("server") / "server.secret"
+    write_secret_file(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def parties_settings(monkeypatch, server_secret):
+    """What each party decides for itself, outside the run config: the simulated data owners
+    accept the plaintext backend (their node config), the server keys its draws (its file)."""
+    monkeypatch.setenv(NODE_CONFIG_ENV, "allow-plaintext=true")
+    monkeypatch.setenv(SERVER_SECRET_ENV, str(server_secret))
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +165,7 @@ def test_app_pyproject_declares_the_components_and_every_default() -> None:
 def test_run_config_defaults_come_from_the_one_table() -> None:
     """The apps' defaults are the protocol's and the federation's, not a copy of them."""
     settings = app_settings({})
-    assert settings.protocol == DoubleBlindConfig(seed=0)
+    assert settings.protocol == DoubleBlindConfig()
     assert settings.federation == Federation()
     assert DEFAULTS["rounds"] == DoubleBlindConfig().rounds == PROTOCOL.rounds
 
@@ -561,14 +582,20 @@ def in_process_history(config: dict, student_dir: Path, checkpoint_dir: Path | N
         settings.protocol,
         settings.federation,
         checkpoint_dir=checkpoint_dir,
+        policy=DataOwnerPolicy.from_node_config(parse_node_config(os.environ[NODE_CONFIG_ENV])),
+        randomness=SecretStream.from_file(Path(os.environ[SERVER_SECRET_ENV])),
         **QUIET,
     )
     return history
 
 
-def test_server_app_over_flower_messages_equals_the_in_process_run(student_dir) -> None:
+def test_server_app_over_flower_messages_equals_the_in_process_run(
+    student_dir, monkeypatch
+) -> None:
     """Bit for bit, with secure aggregation off (its stochastic rounding would differ between
     the runs; the next test and the flwr run below take the SecAgg stages through Flower)."""
+    # updates in the clear: the data owners' decision, in their node config
+    monkeypatch.setenv(NODE_CONFIG_ENV, "allow-plaintext=true require-secure-aggregation=false")
     config = run_config(
         student_dir,
         **{"checkpoint-dir": str(student_dir / "checkpoint"), "secure-aggregation": False},

@@ -49,15 +49,16 @@ def test_demo_app_declares_the_components_and_every_default() -> None:
 
 
 @pytest.fixture
-def demo_workspace(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """The runtime demo app's inputs and run config in a fresh workspace."""
+def demo_workspace(tmp_path: Path) -> tuple[Path, dict[str, str], str]:
+    """The runtime demo app's inputs, run config and the nodes' own config in a fresh
+    workspace."""
     workspace = tmp_path / "workspace"
-    return workspace, load_demo().prepare(workspace, length=16, seed=3)
+    return workspace, *load_demo().prepare(workspace, length=16, seed=3)
 
 
 def test_flower_apps_over_flower_messages_equal_the_in_process_run(demo_workspace) -> None:
-    workspace, run_config = demo_workspace
-    grid = LoopbackGrid(flower_contexts(run_config))
+    workspace, run_config, node_config = demo_workspace
+    grid = LoopbackGrid(flower_contexts(run_config, node_config))
     with task_identity():
         result = run_on_grid(grid, masked_sum, run_config, log=lambda _: None)
     expected = run_in_process(masked_sum(), demo_inputs(workspace))
@@ -81,8 +82,8 @@ def test_flower_apps_over_flower_messages_equal_the_in_process_run(demo_workspac
 
 
 def test_flower_client_app_refuses_a_tampered_frame_and_keeps_its_state(demo_workspace) -> None:
-    _, run_config = demo_workspace
-    contexts = flower_contexts(run_config)
+    _, run_config, node_config = demo_workspace
+    contexts = flower_contexts(run_config, node_config)
     carol = next(c for c in contexts.values() if c.node_config["partition-id"] == 2)
     states = []
 

@@ -11,6 +11,7 @@ import torch
 
 from fedfm.approx import ApproxConfig, calibrate
 from fedfm.crypto import CKKS_8192, SimulateBackend, get_backend
+from fedfm.crypto.randomness import ResearchStream
 from fedfm.crypto.simulate import SimulatedEvaluator, SimulatedKeyOwner
 from fedfm.data import load_splits
 from fedfm.distillation.training import PretrainConfig, pretrain
@@ -31,6 +32,7 @@ from fedfm.protocols.double_blind import (
     DoubleBlindServer,
     SideAdapterHead,
     WeightedAverage,
+    runner,
 )
 from fedfm.protocols.double_blind.config import (
     SETUP,
@@ -40,7 +42,8 @@ from fedfm.protocols.double_blind.config import (
     revealed_blocks,
 )
 from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
-from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
+from fedfm.protocols.double_blind.runner import Federation, federation_data
 from fedfm.runtime.transport import Envelope
 from fedfm.secagg import (
     ADVERTISE_KEYS,
@@ -76,7 +79,26 @@ def model(splits):
 
 
 def small_config(**changes) -> DoubleBlindConfig:
-    return replace(DoubleBlindConfig(rounds=2, batches_per_round=2, seed=3), **changes)
+    return replace(DoubleBlindConfig(rounds=2, batches_per_round=2), **changes)
+
+
+# One researcher plays every party here: data owners that accept the plaintext backend and a
+# server whose draws are reproducible (so that two runs with the same settings are the same run).
+PLAIN = DataOwnerPolicy(allow_plaintext=True, require_secure_aggregation=False)
+
+
+def run_research(*args, **kwargs):
+    """``run_in_process`` with PLAIN data owners and ``ResearchStream(3)`` server draws."""
+    kwargs.setdefault("policy", PLAIN)
+    kwargs.setdefault("randomness", ResearchStream(3))
+    return runner.run_in_process(*args, **kwargs)
+
+
+def research_server(model, config, **kwargs) -> DoubleBlindServer:
+    kwargs.setdefault("log", lambda _: None)
+    return DoubleBlindServer(
+        model, config, BACKEND, num_classes=10, randomness=ResearchStream(3), **kwargs
+    )
 
 
 def make_data(splits, count: int = 80) -> ClientData:
@@ -101,8 +123,8 @@ def trained_params(outcome, state, initial) -> dict[str, np.ndarray]:
 
 def setup_pair(model, splits, config=None):
     config = config or small_config()
-    server = DoubleBlindServer(model, config, BACKEND, num_classes=10, log=lambda _: None)
-    client = DoubleBlindClient(make_data(splits), BACKEND, partition_id=0)
+    server = research_server(model, config)
+    client = DoubleBlindClient(make_data(splits), BACKEND, policy=PLAIN, partition_id=0)
     reply, state = client.handle(server.setup_request(7), ClientState())
     server.on_setup(reply)
     return server, client, state
@@ -180,7 +202,7 @@ def test_setup_keeps_secrets_on_the_client(model, splits) -> None:
     held = [value for value in vars(session).values()] + [value for value in vars(server).values()]
     assert not any(isinstance(value, SimulatedKeyOwner) for value in held)
     assert secret not in session.evaluator.key_id
-    assert "seed" not in server.setup_request(7).config  # the permutation seed stays home
+    assert "rng" not in server.setup_request(7).config  # the server's randomness stays home
     assert session.train_inputs.shape == (80, (IMAGE // 4) ** 2 + 1, 96)
 
 
@@ -253,8 +275,8 @@ def test_bad_client_data_and_settings_are_named(splits) -> None:
 
 
 def test_setup_reply_with_wrong_class_count_is_refused(model, splits) -> None:
-    server = DoubleBlindServer(model, small_config(), BACKEND, num_classes=10, log=print)
-    client = DoubleBlindClient(replace(make_data(splits), num_classes=12), BACKEND)
+    server = research_server(model, small_config(), log=print)
+    client = DoubleBlindClient(replace(make_data(splits), num_classes=12), BACKEND, policy=PLAIN)
     reply, _ = client.handle(server.setup_request(1), ClientState())
     with pytest.raises(ProtocolError, match="12 classes"):
         server.on_setup(reply)
@@ -354,7 +376,7 @@ def test_reveal_settings_are_checked() -> None:
 
 def test_in_process_run_accounts_round_trips(model, splits) -> None:
     config = small_config(rounds=3)
-    history, transport = run_in_process(
+    history, transport = run_research(
         model, splits, config, Federation(num_clients=2), log=lambda _: None
     )
     assert [record.round for record in history] == [1, 2, 3]
@@ -374,7 +396,7 @@ def test_a_client_dropping_mid_round_leaves_the_round_to_the_others(model, split
         )
 
     lines: list[str] = []
-    history, _ = run_in_process(
+    history, _ = run_research(
         model,
         splits,
         small_config(rounds=1),
@@ -392,7 +414,7 @@ def test_too_few_clients_stops_with_a_clear_error(model, splits) -> None:
         return envelope.message_type != SETUP
 
     with pytest.raises(ProtocolError, match=r"0 clients finished training, need 2 \(secure"):
-        run_in_process(
+        run_research(
             model,
             splits,
             small_config(rounds=1),
@@ -402,18 +424,28 @@ def test_too_few_clients_stops_with_a_clear_error(model, splits) -> None:
         )
 
 
+def test_a_data_owner_refuses_an_aggregate_smaller_than_its_policy(model, splits) -> None:
+    """min-aggregate is the data owner's own rule: with two clients and a policy of three, no
+    client reveals its unmasking shares, so the server learns no aggregate at all."""
+    policy = DataOwnerPolicy(allow_plaintext=True, min_aggregate=3)
+    with pytest.raises(ProtocolError, match="fewer than the policy's min-aggregate=3"):
+        run_research(
+            model, splits, small_config(rounds=1), Federation(num_clients=2), policy=policy
+        )
+
+
 def test_runs_resume_after_the_last_saved_round(model, splits, tmp_path: Path) -> None:
     federation = Federation(num_clients=2)
     quiet = {"log": lambda _: None}
-    first, _ = run_in_process(
+    first, _ = run_research(
         model, splits, small_config(rounds=1), federation, checkpoint_dir=tmp_path, **quiet
     )
     with pytest.raises(CheckpointError, match="other settings"):
-        run_in_process(
+        run_research(
             model, splits, small_config(rounds=2), federation, checkpoint_dir=tmp_path, **quiet
         )
     # the same settings with more rounds is a different identity; resume uses the identical one
-    resumed, transport = run_in_process(
+    resumed, transport = run_research(
         model, splits, small_config(rounds=1), federation, checkpoint_dir=tmp_path, **quiet
     )
     assert resumed == first
@@ -451,7 +483,7 @@ class RecordingAverage(WeightedAverage):
 def one_round(model, splits, config, *, drop=None, lines=None):
     """Round 1 of a run with SECURE_FEDERATION: its record, new global arrays and transport."""
     aggregator = RecordingAverage()
-    history, transport = run_in_process(
+    history, transport = run_research(
         model,
         splits,
         config,
@@ -468,7 +500,7 @@ def plain_round(model, splits):
     """The same round with secure aggregation off: the global arrays before it, each client's
     update (the server sees them all), and the record."""
     aggregator = RecordingAverage()
-    history, _ = run_in_process(
+    history, _ = run_research(
         model,
         splits,
         secure_config(secure_aggregation=False),
@@ -606,10 +638,10 @@ def test_client_answers_secure_aggregation_only_after_training_and_in_order(mode
     stages end in ``ready`` with the update gone, an update is never masked twice, and the
     result is the weighted average of the two updates."""
     config = secure_config()
-    server = DoubleBlindServer(model, config, BACKEND, num_classes=10, log=lambda _: None)
+    server = research_server(model, config)
     clients, states, deltas, weights = {}, {}, {}, {}
     for node, count in ((7, 80), (8, 40)):  # 3 and 2 batches of 16: weights 48 and 32
-        clients[node] = DoubleBlindClient(make_data(splits, count), BACKEND)
+        clients[node] = DoubleBlindClient(make_data(splits, count), BACKEND, policy=PLAIN)
         reply, states[node] = clients[node].handle(server.setup_request(node), ClientState())
         server.on_setup(reply)
     initial = server.initial_arrays(96)

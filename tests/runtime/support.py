@@ -17,6 +17,7 @@ from flwr.common.serde import (
 )
 from flwr.serverapp import Grid
 
+from fedfm.flower.apps import parse_node_config
 from fedfm.protocols.masked_sum import masked_sum
 from fedfm.runtime import (
     InProcessFederation,
@@ -209,13 +210,16 @@ class LoopbackGrid(Grid):
     run = property(_unused)
 
 
-def flower_contexts(run_config: dict[str, str]) -> dict[int, Context]:
+def flower_contexts(run_config: dict[str, str], node_config: str = "") -> dict[int, Context]:
+    """Three simulated nodes' contexts; ``node_config`` (``key=value`` pairs) is every node's
+    own config, as ``$FEDFM_NODE_CONFIG`` gives it to simulated nodes."""
+    own = parse_node_config(node_config)
     # node ids unrelated to the partitions, as in Flower
     return {
         9000 - 17 * k: Context(
             run_id=1,
             node_id=9000 - 17 * k,
-            node_config={"partition-id": k, "num-partitions": 3},
+            node_config={"partition-id": k, "num-partitions": 3, **own},
             state=RecordDict(),
             run_config=run_config,
         )

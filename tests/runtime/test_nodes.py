@@ -174,29 +174,35 @@ def test_identity_files_fingerprints_and_pins(tmp_path) -> None:
             parse_pins(bad)
 
 
-def test_node_settings_come_from_node_config_first(tmp_path) -> None:
+def test_node_settings_come_from_the_node_config_alone(tmp_path) -> None:
     pin = create_identity_file(tmp_path / "node-1.key")
     np.savez(tmp_path / "bob.npz", x=np.arange(3))
-    run_config = {
+    simulation = {
         "role-partitions": "alice=0,bob=1,carol=2",
         "identity-dir": str(tmp_path),
         "pins": f"alice={pin}",
         "inputs-dir": str(tmp_path),
     }
-    simulated = node_settings({"partition-id": 1, "num-partitions": 3}, run_config)
+    simulated = node_settings({"partition-id": 1, "num-partitions": 3, **simulation})
     assert simulated.roles == {"bob"} and simulated.pins == {"alice": pin}
     assert simulated.identity().fingerprint == pin
     np.testing.assert_array_equal(simulated.load_inputs("bob")["x"], np.arange(3))
     assert simulated.load_inputs("carol") == {}
 
     deployed = node_settings(
-        {"roles": "carol", "identity-key": str(tmp_path / "node-1.key"), "pins": f"bob={pin}"},
-        run_config,
+        {"roles": "carol", "identity-key": str(tmp_path / "node-1.key"), "pins": f"bob={pin}"}
     )
     assert deployed.roles == {"carol"} and deployed.pins == {"bob": pin}
-    assert node_settings({"partition-id": 7}, run_config).identity() is None  # no role: no key
+    assert node_settings({"partition-id": 7, **simulation}).identity() is None  # no role: no key
     with pytest.raises(ConfigError, match="no identity key"):
-        node_settings({"roles": "carol"}, {}).identity()
+        node_settings({"roles": "carol"}).identity()
+    with pytest.raises(ConfigError, match="no integer 'partition-id'"):
+        node_settings({"role-partitions": "carol=2"})
+    # a node without pins has none: it can verify nobody (see the red-team test of the relay)
+    assert node_settings({"roles": "carol"}).pins == {}
+    for key in ("roles", "pins", "identity-dir", "inputs-dir"):  # the relay's run config cannot
+        with pytest.raises(ConfigError, match=f"'{key}'.*refused.*node config"):
+            split_run_config({key: "x", "timeout": 5})
 
     runtime, protocol = split_run_config({"timeout": 5, "layers": 4})
     assert runtime["timeout"] == 5.0 and protocol == {"layers": 4}

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfm.crypto import get_backend
 from fedfm.crypto.backend import CryptoBackend, KeyOwner
-from fedfm.errors import DataError, ProtocolError
+from fedfm.errors import ConfigError, DataError, ProtocolError
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -50,11 +51,13 @@ from fedfm.protocols.double_blind.messages import (
     unpack_arrays,
     unpack_batches,
 )
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.runtime.transport import Envelope
 from fedfm.secagg import ADVERTISE_KEYS, UNMASK, ClientSecAggState, decode_request
 from fedfm.secagg import ClientUpdate as MaskedUpdate
 from fedfm.secagg import handle as handle_secagg
 from fedfm.secagg.messages import PREFIX as SECAGG
+from fedfm.secagg.messages import UnmaskRequest
 
 
 @dataclass(frozen=True)
@@ -81,17 +84,26 @@ class ClientData:
             raise DataError("this client's partition has no training samples")
 
 
-_SCALARS = ("stage", "round", "block")  # ClientState's fields kept as config values
+# ClientState's fields kept as config values
+_SCALARS = ("stage", "round", "block", "num_blocks", "trained_round", "evaluated_round")
 _CONFIG_PREFIX = "config."
 
 
 @dataclass(frozen=True)
 class ClientState:
-    """Everything a client carries between messages (all of it stays on the client)."""
+    """Everything a client carries between messages (all of it stays on the client).
+
+    ``round``, ``block`` and ``num_blocks`` describe the round in flight; ``trained_round`` and
+    ``evaluated_round`` are the last rounds whose training and evaluation the client started:
+    rounds only move forward, so no round is trained (or evaluated) twice.
+    """
 
     stage: str = "new"
     round: int = 0
     block: int = 0
+    num_blocks: int = 0
+    trained_round: int = 0
+    evaluated_round: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -106,9 +118,8 @@ class ClientState:
         """The state :meth:`to_records` wrote."""
         try:
             return cls(
+                **{name: int(config[name]) for name in _SCALARS if name != "stage"},
                 stage=str(config["stage"]),
-                round=int(config["round"]),
-                block=int(config["block"]),
                 config={
                     key[len(_CONFIG_PREFIX) :]: value
                     for key, value in config.items()
@@ -129,17 +140,23 @@ class ClientState:
         return {**kept, **pack_arrays(name, values)}
 
 
-# Which message each stage accepts. A round may always restart at block 1 (the server dropped
-# the previous one, e.g. after a timeout, or left the client out of the aggregate); everything
-# else must follow in order.
+# Which message each stage accepts (the Flower SecAgg+ shape: a table, and every other
+# transition refused). Setup only when no round is open. Block 1 of a *later* round may start
+# from an open stage (the server dropped the round, e.g. after a timeout; the open round's update
+# is discarded), but rounds only move forward (:meth:`DoubleBlindClient._open_round`); other
+# blocks follow in order; ``train.loss`` only after the last block. Refreshes re-encrypt masked
+# ciphertexts and change nothing, so they are served in every stage after setup.
 ALLOWED = {
     "new": {SETUP},
     "ready": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
-    "train": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_LOSS, REFRESH},
-    "trained": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
-    "secagg": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
-    "evaluate": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
+    "train": {TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_LOSS, REFRESH},
+    "trained": {TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
+    "secagg": {TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
+    "evaluate": {TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
 }
+# A decrypted one-hot label or a gradient row ``(p - y) n`` is within this of 0 or 1 (CKKS adds
+# errors of about 1e-4 of the range; anything further is not a label the client holds).
+LABEL_TOLERANCE = 0.1
 # The update a client keeps for secure aggregation: ``update.*`` arrays and this config entry.
 UPDATE_WEIGHT = "update.num_examples"
 
@@ -153,13 +170,71 @@ def one_hot(labels: np.ndarray, num_classes: int) -> np.ndarray:
     return np.eye(num_classes, dtype=np.float32)[labels]
 
 
-class DoubleBlindClient:
-    """Handles the protocol's messages for one data owner."""
+def require_count(envelope: Envelope) -> int:
+    """The ``num_batches`` a message announces (a positive int)."""
+    count = envelope.config.get("num_batches")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ProtocolError(f"{envelope.message_type} needs a positive int num_batches")
+    return count
 
-    def __init__(self, data: ClientData, backend: CryptoBackend, *, partition_id: int = -1) -> None:
+
+def _check_permutations(
+    what: str, wrap: np.ndarray, steps: np.ndarray, size: int, num_blocks: int
+) -> None:
+    """The relative permutations of the last block: ``wrap`` of ``size`` and ``num_blocks``
+    steps, each a permutation of ``range(size)``."""
+    rows = [wrap, *steps] if steps.ndim == 2 else []
+    if (
+        wrap.shape != (size,)
+        or steps.shape != (num_blocks, size)
+        or any(not np.array_equal(np.sort(row), np.arange(size)) for row in rows)
+    ):
+        raise ProtocolError(
+            f"{what}: relative permutations of shapes {wrap.shape} and {steps.shape} are not "
+            f"{num_blocks + 1} permutations of {size} rows"
+        )
+
+
+class DoubleBlindClient:
+    """Handles the protocol's messages for one data owner.
+
+    Parameters
+    ----------
+    data:
+        The data owner's private images and labels.
+    backend:
+        The crypto backend the data owner encrypts with; ``None`` takes the one the server's
+        setup names (by its registered name), if ``policy`` allows it.
+    policy:
+        What the data owner accepts (:class:`DataOwnerPolicy`); its own decision, never the
+        server's. The default refuses plaintext and updates outside secure aggregation.
+    partition_id:
+        An ordering key for the server, not a secret.
+    """
+
+    def __init__(
+        self,
+        data: ClientData,
+        backend: CryptoBackend | None = None,
+        *,
+        policy: DataOwnerPolicy | None = None,
+        partition_id: int = -1,
+    ) -> None:
         self.data = data
-        self.backend = backend
-        self.partition_id = partition_id  # an ordering key for the server, not a secret
+        self._backend = backend
+        self.policy = policy or DataOwnerPolicy()
+        self.partition_id = partition_id
+
+    def backend_for(self, name: str) -> CryptoBackend:
+        """The backend called ``name``: the data owner's own if it set one (which must match)."""
+        if self._backend is None:
+            self._backend = get_backend(name)
+        if self._backend.name != name:
+            raise ProtocolError(
+                f"the server asks for backend {name!r}; this data owner encrypts with "
+                f"{self._backend.name!r}"
+            )
+        return self._backend
 
     # -- entry point -----------------------------------------------------------------------
     def handle(self, envelope: Envelope, state: ClientState) -> tuple[Envelope, ClientState]:
@@ -169,10 +244,11 @@ class DoubleBlindClient:
                 f"client in stage {state.stage!r} cannot accept {envelope.message_type!r}"
             )
         if envelope.message_type == SETUP:
-            return self._setup(envelope)
+            return self._setup(envelope, state)
         if envelope.message_type == TRAIN_SECAGG:
             return self._secure_aggregation(envelope, state)
-        key = self.backend.restore_key_owner(state.group("key"))
+        backend = self.backend_for(str(state.config.get("backend")))
+        key = backend.restore_key_owner(state.group("key"))
         if envelope.message_type == REFRESH:
             # Masked ciphertexts only: the client re-encrypts them and learns nothing; its state
             # does not change.
@@ -183,9 +259,18 @@ class DoubleBlindClient:
         return self._block(envelope, state, key)
 
     # -- steps -------------------------------------------------------------------------------
-    def _setup(self, envelope: Envelope) -> tuple[Envelope, ClientState]:
-        config = DoubleBlindConfig.from_config(envelope.config)
-        key = self.backend.create_key_owner(geometry=geometry_from(envelope.config))
+    def _setup(self, envelope: Envelope, state: ClientState) -> tuple[Envelope, ClientState]:
+        try:
+            config = DoubleBlindConfig.from_config(envelope.config)
+        except (ConfigError, TypeError) as error:
+            raise ProtocolError(f"setup carries invalid settings: {error}") from error
+        self.policy.check_setup(
+            backend=config.backend,
+            secure_aggregation=config.secure_aggregation,
+            rounds=config.rounds,
+        )
+        backend = self.backend_for(config.backend)
+        key = backend.create_key_owner(geometry=geometry_from(envelope.config))
         data, classes = self.data, self.data.num_classes
         uploads = {
             "train_images": [key.encrypt(data.train_images)],
@@ -200,15 +285,84 @@ class DoubleBlindClient:
             num_classes=classes,
             num_train=len(data.train_labels),
             num_eval=len(data.eval_labels),
-            backend=self.backend.name,
+            backend=backend.name,
             partition_id=self.partition_id,
         )
-        state = ClientState(
+        # a new key, the rounds already done stay done
+        state = replace(
+            state,
             stage="ready",
+            round=0,
+            block=0,
+            num_blocks=0,
             config=config.to_config(),
             arrays=pack_arrays("key", key.secret_state()),
         )
         return reply, state
+
+    def _open_round(self, request: BlockRequest, kind: str, state: ClientState) -> ClientState:
+        """Start round ``request.round`` (block 1): only forward, each round trained and
+        evaluated at most once; an open round of another kind is discarded."""
+        server_round = request.round
+        if kind == "train":
+            done = max(state.trained_round, state.evaluated_round)
+            if server_round <= done:
+                raise ProtocolError(
+                    f"train.block 1 of round {server_round}: this client already took part in "
+                    f"round {done} (rounds only move forward; a round is trained once)"
+                )
+            self.policy.check_round(server_round)
+        elif server_round <= state.evaluated_round or server_round < state.trained_round:
+            raise ProtocolError(
+                f"evaluate.block 1 of round {server_round}: this client already evaluated round "
+                f"{state.evaluated_round} and trained round {state.trained_round}"
+            )
+        self.policy.check_blocks(request.num_blocks)
+        if not request.global_arrays:
+            raise ProtocolError(f"{request.message_type} block 1 lacks the global adapter")
+        self._check_batch_sizes(request, kind, DoubleBlindConfig.from_config(state.config))
+        arrays = {k: v for k, v in state.arrays.items() if k.startswith(("key.", "momentum."))}
+        arrays.update(pack_arrays("params", request.global_arrays))
+        counters = (
+            {"trained_round": server_round}
+            if kind == "train"
+            else {"evaluated_round": server_round}
+        )
+        return replace(
+            state,
+            stage=kind,
+            round=server_round,
+            block=0,
+            num_blocks=request.num_blocks,
+            config=run_settings(state.config),
+            arrays=arrays,
+            **counters,
+        )
+
+    def _check_batch_sizes(
+        self, request: BlockRequest, kind: str, config: DoubleBlindConfig
+    ) -> None:
+        """Batches as the run's settings allow: training ``batches_per_round`` of ``n``
+        distinct samples at most, evaluation every held-out sample once in batches of ``n`` to
+        ``2n - 1``."""
+        sizes = [batch.shape[0] for batch in request.batches]
+        n = config.batch_size
+        if kind == "train":
+            total = len(self.data.train_labels)
+            if len(sizes) > config.batches_per_round or any(size != n for size in sizes):
+                raise ProtocolError(
+                    f"train.block 1 carries batches of {sizes} samples; the run trains at most "
+                    f"{config.batches_per_round} batches of {n}"
+                )
+        else:
+            total = len(self.data.eval_labels)
+            if any(not n <= size < 2 * n for size in sizes) or sum(sizes) != total:
+                raise ProtocolError(
+                    f"evaluate.block 1 carries batches of {sizes} samples; expected all {total} "
+                    f"held-out samples in batches of {n} to {2 * n - 1}"
+                )
+        if sum(sizes) > total:
+            raise ProtocolError(f"{request.message_type} asks for {sum(sizes)} of {total} samples")
 
     def _block(
         self, envelope: Envelope, state: ClientState, key: KeyOwner
@@ -216,17 +370,25 @@ class DoubleBlindClient:
         request = BlockRequest.from_envelope(envelope, key.load)
         kind = "train" if envelope.message_type == TRAIN_BLOCK else "evaluate"
         if request.block == 1:
-            if not request.global_arrays:
-                raise ProtocolError(f"{envelope.message_type} block 1 lacks the global adapter")
-            arrays = {k: v for k, v in state.arrays.items() if k.startswith(("key.", "momentum."))}
-            arrays.update(pack_arrays("params", request.global_arrays))
-            state = replace(
-                state, round=envelope.round, config=run_settings(state.config), arrays=arrays
-            )
-        elif (state.stage, state.round, state.block) != (kind, envelope.round, request.block - 1):
+            state = self._open_round(request, kind, state)
+        elif (state.stage, state.round, state.block, state.num_blocks) != (
+            kind,
+            envelope.round,
+            request.block - 1,
+            request.num_blocks,
+        ):
             raise ProtocolError(
-                f"{envelope.message_type} block {request.block} of round {envelope.round} does not "
-                f"follow block {state.block} of round {state.round} ({state.stage})"
+                f"{envelope.message_type} block {request.block} of {request.num_blocks} in round "
+                f"{envelope.round} does not follow block {state.block} of {state.num_blocks} in "
+                f"round {state.round} ({state.stage})"
+            )
+        first = state.group("block1")
+        if request.block > 1 and [b.shape for b in request.batches] != [
+            first[str(i)].shape for i in range(len(first))
+        ]:
+            raise ProtocolError(
+                f"{envelope.message_type} block {request.block}: batch shapes "
+                f"{[b.shape for b in request.batches]} differ from block 1's"
             )
         plain = {str(i): key.decrypt(batch) for i, batch in enumerate(request.batches)}
         arrays = state.with_group(f"block{request.block}", plain)
@@ -235,12 +397,24 @@ class DoubleBlindClient:
             fresh = [key.encrypt(plain[str(i)]) for i in range(len(request.batches))]
             return batch_reply(envelope, {"batch": fresh}), state
 
+        sizes = [batch.shape[0] for batch in request.batches]
+        for index, (wrap, steps, size) in enumerate(
+            zip(request.wrap, request.steps, sizes, strict=True)
+        ):
+            _check_permutations(f"batch {index}", wrap, steps, size, request.num_blocks)
         relatives = {f"wrap.{i}": w for i, w in enumerate(request.wrap)}
         relatives |= {f"steps.{i}": s for i, s in enumerate(request.steps)}
         state = replace(state, arrays=state.with_group("perm", relatives))
         logits = self._forward(state, len(request.batches))
         if kind == "evaluate":
-            labels = [key.decrypt(batch).argmax(axis=1) for batch in request.labels]
+            if len(request.labels) != len(sizes):
+                raise ProtocolError("evaluate.block: the last block lacks the encrypted labels")
+            labels = [
+                self._labels(key.decrypt(batch), size, "evaluation labels")
+                for batch, size in zip(request.labels, sizes, strict=True)
+            ]
+            # every held-out sample once: the labels are exactly the client's own held-out ones
+            self._check_label_counts(np.concatenate(labels), self.data.eval_labels, exact=True)
             confusion = np.zeros((self.data.num_classes,) * 2, dtype=np.int64)
             for batch_logits, truth in zip(logits, labels, strict=True):
                 np.add.at(confusion, (truth, batch_logits.argmax(dim=1).numpy()), 1)
@@ -257,22 +431,89 @@ class DoubleBlindClient:
             log_probs = [key.encrypt(batch.log_softmax(dim=1).numpy()) for batch in logits]
         return batch_reply(envelope, {"probs": probs, "log_probs": log_probs}), state
 
+    def _labels(self, values: np.ndarray, rows: int, what: str) -> np.ndarray:
+        """The class of each row of decrypted one-hot ``values``; a :class:`ProtocolError` if
+        they are not ``rows`` one-hot rows over the task's classes (within CKKS error)."""
+        classes = self.data.num_classes
+        if values.shape != (rows, classes):
+            raise ProtocolError(f"{what} have shape {values.shape}, expected {(rows, classes)}")
+        rounded = np.rint(values)
+        if (
+            np.abs(values - rounded).max(initial=0.0) > LABEL_TOLERANCE
+            or not np.isin(rounded, (0.0, 1.0)).all()
+            or not (rounded.sum(axis=1) == 1).all()
+        ):
+            raise ProtocolError(
+                f"{what} are not one-hot rows: refused (not a label this client holds)"
+            )
+        return rounded.argmax(axis=1)
+
+    def _check_label_counts(self, labels: np.ndarray, own: np.ndarray, *, exact: bool) -> None:
+        """The server's labels are the client's own: per class as many (``exact``) or at most
+        as many as the client holds. Anything else is a ciphertext the server chose."""
+        classes = self.data.num_classes
+        got = np.bincount(labels, minlength=classes)
+        held = np.bincount(own, minlength=classes)
+        if (exact and not np.array_equal(got, held)) or (got > held).any():
+            raise ProtocolError(
+                f"the labels the server returned (per class {got.tolist()}) are not this "
+                f"client's (per class {held.tolist()}): refused"
+            )
+
     def _loss(
         self, envelope: Envelope, state: ClientState, key: KeyOwner
     ) -> tuple[Envelope, ClientState]:
-        if state.stage != "train" or state.round != envelope.round:
+        if (state.stage, state.round) != ("train", envelope.round) or (
+            state.block != state.num_blocks or state.num_blocks == 0
+        ):
             raise ProtocolError(
-                f"train.loss for round {envelope.round} but the client is in round {state.round} "
-                f"({state.stage}, block {state.block})"
+                f"train.loss for round {envelope.round} but the client is at block {state.block} "
+                f"of {state.num_blocks} in round {state.round} ({state.stage}): the loss comes "
+                "after the last block, once"
             )
         count = len(state.group("block1"))
+        if require_count(envelope) != count:
+            raise ProtocolError(
+                f"train.loss carries {envelope.config.get('num_batches')} "
+                f"batches, the round has {count}"
+            )
         losses = unpack_batches(envelope, "loss", count, key.load)
         gradients = unpack_batches(envelope, "grad", count, key.load)
         model = self._adapter(state)
         logits = self._forward(state, count, model=model)
+        # The client uses only values of its own computation: the labels the gradient
+        # (p - y)/n implies (checked one-hot and its own), then its own loss and gradient. The
+        # server's loss must agree; a reply never carries a value the server had decrypted.
+        own_losses, own_gradients, all_labels = [], [], []
+        for index, (out, loss, gradient) in enumerate(zip(logits, losses, gradients, strict=True)):
+            rows = out.shape[0]
+            probs = out.detach().softmax(dim=1).numpy()
+            decrypted = key.decrypt(gradient)
+            if decrypted.shape != probs.shape:
+                raise ProtocolError(
+                    f"train.loss gradient {index} has shape {decrypted.shape}, expected "
+                    f"{probs.shape}"
+                )
+            labels = self._labels(
+                probs - rows * decrypted, rows, f"labels implied by gradient {index}"
+            )
+            one_hot_labels = one_hot(labels, self.data.num_classes)
+            own_loss = float(
+                -(one_hot_labels * np.log(np.maximum(probs, 1e-12))).sum(axis=1).mean()
+            )
+            server_loss = key.decrypt(loss)
+            if server_loss.shape != (1,) or abs(float(server_loss[0]) - own_loss) > LABEL_TOLERANCE:
+                raise ProtocolError(
+                    f"train.loss {index}: the server's loss {server_loss.ravel()[:1]} is not the "
+                    f"cross-entropy of this client's predictions ({own_loss:.4f})"
+                )
+            own_losses.append(own_loss)
+            own_gradients.append((probs - one_hot_labels) / rows)
+            all_labels.append(labels)
+        self._check_label_counts(np.concatenate(all_labels), self.data.train_labels, exact=False)
         objective = sum(
-            (out * torch.from_numpy(key.decrypt(grad))).sum()
-            for out, grad in zip(logits, gradients, strict=True)
+            (out * torch.from_numpy(grad.astype(np.float32))).sum()
+            for out, grad in zip(logits, own_gradients, strict=True)
         )
         (objective / count).backward()
         config = DoubleBlindConfig.from_config(state.config)
@@ -290,11 +531,12 @@ class DoubleBlindClient:
                 parameter -= config.lr * config.lr_factor(state.round) * velocity
                 new_momentum[name] = velocity.numpy().copy()
         params = model.get_arrays()
-        train_loss = float(np.mean([key.decrypt(loss)[0] for loss in losses]))
+        train_loss = float(np.mean(own_losses))
         num_examples = count * int(state.group("block1")["0"].shape[0])
         metrics = {"num_examples": num_examples, "train_loss": train_loss}
         arrays = {k: v for k, v in state.arrays.items() if k.startswith("key.")}
         arrays.update(pack_arrays("momentum", new_momentum))
+        closed = replace(state, block=0, num_blocks=0, arrays=arrays)
         if not config.secure_aggregation:
             reply = Envelope(
                 envelope.message_type,
@@ -303,18 +545,23 @@ class DoubleBlindClient:
                 pack_arrays("params", params),
                 metrics,
             )
-            return reply, ClientState("ready", state.round, 0, state.config, arrays)
+            return reply, replace(closed, stage="ready")
         received = state.group("params")
-        arrays.update(pack_arrays("update", {k: v - received[k] for k, v in params.items()}))
+        arrays = {
+            **arrays,
+            **pack_arrays("update", {k: v - received[k] for k, v in params.items()}),
+        }
         reply = Envelope(envelope.message_type, envelope.node_id, envelope.round, {}, metrics)
         settings = {**state.config, UPDATE_WEIGHT: num_examples}
-        return reply, ClientState("trained", state.round, 0, settings, arrays)
+        return reply, replace(closed, stage="trained", config=settings, arrays=arrays)
 
     def _secure_aggregation(
         self, envelope: Envelope, state: ClientState
     ) -> tuple[Envelope, ClientState]:
         """One SecAgg stage on the update this round's training left in the state."""
         request = decode_request(envelope.arrays, envelope.config)
+        if isinstance(request, UnmaskRequest):  # the aggregate: the survivors and this client
+            self.policy.check_aggregate(len(request.survivors) + 1)
         expected = "trained" if request.stage == ADVERTISE_KEYS else "secagg"
         if (state.stage, state.round) != (expected, envelope.round) or (
             request.round_id != envelope.round
@@ -336,10 +583,14 @@ class DoubleBlindClient:
         kept = {k: v for k, v in state.arrays.items() if not k.startswith(SECAGG)}
         if request.stage == UNMASK:  # the last stage: the update has served its purpose
             kept = {k: v for k, v in kept.items() if not k.startswith("update.")}
-            return answer, ClientState("ready", state.round, 0, run_settings(state.config), kept)
+            return answer, replace(
+                state, stage="ready", block=0, config=run_settings(state.config), arrays=kept
+            )
         new_arrays, new_config = secagg_state.to_records()
         config = {**run_settings(state.config), UPDATE_WEIGHT: update.num_examples, **new_config}
-        return answer, ClientState("secagg", state.round, 0, config, {**kept, **new_arrays})
+        return answer, replace(
+            state, stage="secagg", block=0, config=config, arrays={**kept, **new_arrays}
+        )
 
     # -- local model -------------------------------------------------------------------------
     def _adapter(self, state: ClientState) -> SideAdapterHead:

@@ -24,10 +24,10 @@ REFRESH = "query.refresh"
 # App. C: with n samples per batch a curious client faces n! candidate permutations; below 16
 # (16! ~ 2e13) the protocol refuses to run.
 DEFAULT_MIN_BATCH_SIZE = 16
-# The seed and the permutation switch would let a client recompute the permutations; the SecAgg
-# parameters reach the client in the first SecAgg stage, which is their one source of truth.
+# The permutation switch is the server's debug setting; the SecAgg parameters reach the client in
+# the first SecAgg stage, which is their one source of truth. (The server's randomness is no
+# setting at all: :class:`~fedfm.crypto.randomness.SecretStream`.)
 SERVER_ONLY_SETTINGS = (
-    "seed",
     "permute",
     "secagg_clipping_range",
     "secagg_bits",
@@ -72,11 +72,6 @@ class DoubleBlindConfig:
         numbers such as ``"2,4"``. The server chains the other blocks on ciphertexts without the
         client ever seeing their outputs; the client's side adapter taps only the revealed ones.
         The last block is always revealed (the head reads it).
-    seed:
-        Seeds the server's sampling and permutations and the adapter initialisation. The
-        default ``None`` draws them from the operating system, which is what a deployment
-        needs (anyone who knows the seed can recompute the permutations); experiments pass a
-        seed to be reproducible.
     secure_aggregation:
         The server learns only the weighted average of the clients' updates (SecAgg+,
         :mod:`fedfm.secagg`): a client's ``train.loss`` reply carries no parameters, the client
@@ -108,7 +103,6 @@ class DoubleBlindConfig:
     backend: str = _DEFAULT.backend
     eval_fraction: float = _DEFAULT.eval_fraction
     reveal: str = _DEFAULT.reveal
-    seed: int | None = None
     secure_aggregation: bool = _DEFAULT.secure_aggregation
     secagg_clipping_range: float = _DEFAULT.secagg_clipping_range
     secagg_bits: int = _DEFAULT.secagg_bits
@@ -166,15 +160,12 @@ class DoubleBlindConfig:
         )
 
     def to_config(self) -> dict[str, Any]:
-        """All settings as plain values (``None`` seed as -1), for checkpoints and logs."""
-        values = asdict(self)
-        values["seed"] = -1 if self.seed is None else self.seed
-        return values
+        """All settings as plain values, for checkpoints and logs."""
+        return asdict(self)
 
     def client_settings(self) -> dict[str, Any]:
         """What clients receive at setup: everything but :data:`SERVER_ONLY_SETTINGS`.
 
-        The seed drives the server's permutations; a client that knew it could recompute them.
         The SecAgg parameters come with the first SecAgg stage instead.
         """
         return {k: v for k, v in self.to_config().items() if k not in SERVER_ONLY_SETTINGS}
@@ -182,8 +173,6 @@ class DoubleBlindConfig:
     @classmethod
     def from_config(cls, values: dict[str, Any]) -> DoubleBlindConfig:
         known = {key: values[key] for key in cls.__dataclass_fields__ if key in values}
-        if known.get("seed") == -1:
-            known["seed"] = None
         return cls(**known)
 
 

@@ -13,8 +13,7 @@ from typing import NamedTuple
 
 
 class ProtocolDefaults(NamedTuple):
-    """Defaults of the :class:`DoubleBlindConfig` fields a user sets (its ``seed`` defaults to
-    ``None`` there: drawn from the OS)."""
+    """Defaults of the :class:`DoubleBlindConfig` fields a user sets."""
 
     rounds: int = 20
     batch_size: int = 16
@@ -35,7 +34,8 @@ class ProtocolDefaults(NamedTuple):
 
 
 class FederationDefaults(NamedTuple):
-    """Defaults of :class:`Federation`: how the clients' pool is split."""
+    """Defaults of :class:`Federation`: how the clients' pool is split (``seed`` is public: it
+    seeds the data split, the partition and the evaluation order, never a party's secret)."""
 
     num_clients: int = 5
     scheme: str = "dirichlet"

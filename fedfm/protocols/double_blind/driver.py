@@ -13,6 +13,7 @@ last saved round.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fedfm.crypto.randomness import restore_stream
 from fedfm.errors import CheckpointError, FedfmError, ProtocolError
 from fedfm.protocols.double_blind.config import MIN_SECURE_AGGREGATE, TRAIN_SECAGG
 from fedfm.protocols.double_blind.server import (
@@ -230,17 +232,17 @@ def save_state(path: Path, state: RunState, identity: dict[str, Any]) -> None:
     arrays_tmp = path / "global.partial.npz"
     np.savez(arrays_tmp, **state.global_arrays)
     meta_tmp = path / "state.partial.json"
-    meta_tmp.write_text(
-        json.dumps(
-            {
-                "identity": identity,
-                "round": state.round,
-                "history": [asdict(record) for record in state.history],
-                "rng_state": state.rng_state,
-            },
-            indent=2,
-        )
-    )
+    # the state holds the server's secret stream (key and position): owner-only, like a key file
+    meta_tmp.unlink(missing_ok=True)
+    descriptor = os.open(meta_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        meta = {
+            "identity": identity,
+            "round": state.round,
+            "history": [asdict(record) for record in state.history],
+            "rng_state": state.rng_state,
+        }
+        handle.write(json.dumps(meta, indent=2))
     arrays_tmp.replace(path / "global.npz")
     meta_tmp.replace(path / "state.json")
 
@@ -317,7 +319,7 @@ def run_double_blind(
     if state is not None:
         log(f"[fedfm] resuming after round {state.round} from {checkpoint_dir}")
         # the server's draws continue where they stopped (the clients' momentum restarts)
-        server.rng.bit_generator.state = state.rng_state
+        server.rng = restore_stream(state.rng_state)
     else:
         dim = server.sessions[active[0]].train_inputs.shape[-1]
         state = RunState(global_arrays=server.initial_arrays(dim))
@@ -378,7 +380,7 @@ def run_double_blind(
         )
         state.history.append(record)
         state.round = server_round
-        state.rng_state = server.rng.bit_generator.state
+        state.rng_state = server.rng.state()
         if checkpoint_dir is not None:
             save_state(checkpoint_dir, state, identity)
         log(

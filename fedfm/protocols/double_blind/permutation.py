@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedfm.crypto.randomness import RandomSource
 from fedfm.errors import ConfigError
 
 
@@ -52,9 +53,10 @@ class RoundPermutations:
 
 
 def draw_round_permutations(
-    num_blocks: int, batch_size: int, rng: np.random.Generator, *, permute: bool = True
+    num_blocks: int, batch_size: int, rng: RandomSource, *, permute: bool = True
 ) -> RoundPermutations:
-    """Fresh random ``pi_1 .. pi_{L+1}`` (identities when ``permute`` is off, a debug switch)."""
+    """Fresh random ``pi_1 .. pi_{L+1}`` from the server's secret stream (identities when
+    ``permute`` is off, a debug switch)."""
     if num_blocks < 1 or batch_size < 1:
         raise ConfigError("permutations need at least one block and one sample")
     if not permute:

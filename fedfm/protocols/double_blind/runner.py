@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfm.crypto import get_backend
+from fedfm.crypto.randomness import RandomSource
 from fedfm.data import DataSplits, ImageDataset, partition
 from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import FheViT
@@ -23,6 +24,7 @@ from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleB
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.defaults import FEDERATION
 from fedfm.protocols.double_blind.driver import Aggregator, RoundRecord, run_double_blind
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, InProcessTransport
@@ -85,17 +87,35 @@ def run_in_process(
     aggregator: Aggregator | None = None,
     checkpoint_dir: Path | None = None,
     drop: Callable[[Envelope], bool] | None = None,
+    policy: DataOwnerPolicy | None = None,
+    randomness: RandomSource | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[list[RoundRecord], InProcessTransport]:
-    """Run the protocol with every client in this process; return history and transport stats."""
+    """Run the protocol with every client in this process; return history and transport stats.
+
+    ``policy`` is every data owner's privacy policy (the default refuses the plaintext
+    ``simulate`` backend: pass ``DataOwnerPolicy(allow_plaintext=True)`` to opt in);
+    ``randomness`` the server's secret stream (default: a fresh key from the OS; a stream from a
+    secret file, or a :class:`~fedfm.crypto.randomness.ResearchStream` in experiments, makes a
+    run reproducible).
+    """
     backend = get_backend(config.backend)
     datasets = federation_data(splits, federation, config)
     handlers = {
-        node_id: LocalNode(DoubleBlindClient(data, backend, partition_id=node_id), ClientState)
+        node_id: LocalNode(
+            DoubleBlindClient(data, backend, policy=policy, partition_id=node_id), ClientState
+        )
         for node_id, data in enumerate(datasets)
     }
     transport = InProcessTransport(handlers, drop=drop)
-    server = DoubleBlindServer(model, config, backend, num_classes=splits.pool.num_classes, log=log)
+    server = DoubleBlindServer(
+        model,
+        config,
+        backend,
+        num_classes=splits.pool.num_classes,
+        randomness=randomness,
+        log=log,
+    )
     history = run_double_blind(
         server,
         transport,

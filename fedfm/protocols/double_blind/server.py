@@ -39,6 +39,7 @@ from fedfm.crypto.backend import (
     drive,
     lockstep,
 )
+from fedfm.crypto.randomness import RandomSource, SecretStream
 from fedfm.errors import InvariantError, ProtocolError
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
@@ -144,6 +145,7 @@ class DoubleBlindServer:
         backend: CryptoBackend,
         *,
         num_classes: int,
+        randomness: RandomSource | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
         self.model = model.eval()
@@ -151,7 +153,9 @@ class DoubleBlindServer:
         self.backend = backend
         self.num_classes = num_classes
         self.log = log
-        self.rng = np.random.default_rng(config.seed)
+        # Batch draws, permutations and the adapter's initialisation: the server's secrets, from
+        # a keyed stream cipher (the OS CSPRNG's key unless the operator gives a secret file).
+        self.rng = randomness if randomness is not None else SecretStream()
         self.sessions: dict[int, ClientSession] = {}
         self.geometry = model_geometry(model)
         self.revealed = revealed_blocks(config.reveal, model.num_blocks)
@@ -166,7 +170,7 @@ class DoubleBlindServer:
         """Registered clients in a transport-independent order (partition id when known).
 
         The server's random draws follow this order, so an in-process run and a Flower run with
-        the same seed and partitions draw the same batches and permutations.
+        the same server secret and partitions draw the same batches and permutations.
         """
         return sorted(self.sessions, key=lambda node: (self.sessions[node].order_key, node))
 
@@ -210,10 +214,10 @@ class DoubleBlindServer:
         )
 
     def initial_arrays(self, dim: int) -> dict[str, np.ndarray]:
-        """The round-1 global adapter and head, initialised from the run's seed."""
-        generator = torch.Generator().manual_seed(int(self.rng.integers(2**31)))
+        """The round-1 global adapter and head, initialised from the server's stream (every
+        client receives them, so they are not secret once drawn)."""
         with torch.random.fork_rng():
-            torch.manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
+            torch.manual_seed(self.rng.torch_seed())
             adapter = SideAdapterHead(
                 num_blocks=self.num_blocks,
                 dim=dim,

@@ -33,7 +33,8 @@ def _kebab(name: str) -> str:
 # strings and zeros mean "not set" where noted in README.
 DEFAULTS: dict[str, RunValue] = {
     **{_kebab(name): value for name, value in PROTOCOL._asdict().items()},
-    # one seed for the data split, the partition and the protocol (see DoubleBlindConfig.seed)
+    # public: seeds the data split and the partition, never a party's secret (the server's
+    # draws come from its own secret stream; see strategies/double_blind.py)
     "seed": FEDERATION.seed,
     # data and federation
     "dataset": StudentSource.dataset,
@@ -143,7 +144,6 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         backend=str(v["backend"]),
         eval_fraction=float(v["eval-fraction"]),
         reveal=str(v["reveal"]),
-        seed=seed,
         secure_aggregation=bool(v["secure-aggregation"]),
         secagg_clipping_range=float(v["secagg-clipping-range"]),
         secagg_bits=int(v["secagg-bits"]),

@@ -1,0 +1,139 @@
+"""The red team's attacks: each one succeeds under the conditions it was written against (its
+control) and fails against the current code, and ``fedfm red-team`` lists them all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedfm.crypto.randomness import ResearchStream, SecretStream
+from fedfm.errors import ConfigError, ProtocolError
+from fedfm.experiments import red_team
+from fedfm.experiments.red_team import DEFENDED, SUCCEEDS, Arena, AttackResult
+from fedfm.protocols.double_blind.client import ClientState
+from fedfm.protocols.double_blind.config import TRAIN_LOSS
+from fedfm.protocols.double_blind.policy import DataOwnerPolicy
+from fedfm.runtime.transport import Envelope
+
+
+@pytest.fixture(scope="module")
+def arena() -> Arena:
+    return red_team.build_arena()
+
+
+def check(result: AttackResult, name: str) -> None:
+    assert result.name == name
+    assert result.test.endswith(f"::test_{name}")
+    assert result.outcome == DEFENDED, result
+
+
+def test_permutation_replay(arena: Arena) -> None:
+    """A client that knows the run config's seed recomputes the permutations of a seeded
+    server (every batch of its round), and none of a server keyed by its secret stream."""
+    result = red_team.permutation_replay(arena)
+    check(result, "permutation_replay")
+    assert result.control == 1.0 and result.value == 0.0
+    # the same replay against a server keyed by another public number finds nothing either
+    assert red_team._replay_hits(arena, ResearchStream(red_team.PUBLIC_SEED + 1)) == 0.0
+    assert red_team._replay_hits(arena, SecretStream()) == 0.0
+
+
+def test_backend_downgrade(arena: Arena) -> None:
+    result = red_team.backend_downgrade(arena)
+    check(result, "backend_downgrade")
+    assert (result.control, result.value) == (1.0, 0.0)
+    # the data owner's opt-in is its own decision: with it, the plaintext run goes through
+    assert red_team._plaintext_share(arena, DataOwnerPolicy(allow_plaintext=True)) == 1.0
+
+
+def test_secure_aggregation_downgrade(arena: Arena) -> None:
+    result = red_team.secure_aggregation_downgrade(arena)
+    check(result, "secure_aggregation_downgrade")
+    assert (result.control, result.value) == (1.0, 0.0)
+
+
+def test_round_replay(arena: Arena) -> None:
+    result = red_team.round_replay(arena)
+    check(result, "round_replay")
+    assert (result.control, result.value) == (2.0, 1.0)
+
+
+def test_loss_decryption_oracle(arena: Arena) -> None:
+    result = red_team.loss_decryption_oracle(arena)
+    check(result, "loss_decryption_oracle")
+    assert result.control < 1e-6  # the previous reply was the image's mean pixel, exactly
+    assert result.value == float("inf")  # refused
+
+
+def test_relay_pin_injection() -> None:
+    result = red_team.relay_pin_injection()
+    check(result, "relay_pin_injection")
+    assert (result.control, result.value) == (1.0, 0.0)
+
+
+def test_the_client_refuses_what_its_stage_does_not_expect(arena: Arena) -> None:
+    """The state machine's other rules: setup only with no round open, the loss only after the
+    last block, evaluation labels only the client's own."""
+    server, client, state, _ = red_team._pair(arena)
+    request = server.start("train", 0, 1, server.initial_arrays(arena.model.vit.embed_dim))
+    reply, open_state = client.handle(request, state)  # block 1: a round is open
+    with pytest.raises(ProtocolError, match=r"cannot accept 'query\.setup'"):
+        client.handle(server.setup_request(0), open_state)
+    loss = Envelope(TRAIN_LOSS, 0, 1, {}, {"num_batches": 2})
+    with pytest.raises(ProtocolError, match="after the last block, once"):
+        client.handle(loss, open_state)
+    # a second block 1 of the open round is a replay of it
+    with pytest.raises(ProtocolError, match="rounds only move forward"):
+        client.handle(request, open_state)
+    # state unchanged by refusals: the next block still fits
+    server.on_reply(reply)
+    assert open_state.stage == "train" and open_state.block == 1
+
+
+def test_the_policy_comes_from_node_config_and_names_its_rules() -> None:
+    policy = DataOwnerPolicy.from_node_config(
+        {"allow-plaintext": "true", "min-aggregate": 3, "max-rounds": 5, "partition-id": 0}
+    )
+    assert policy == DataOwnerPolicy(allow_plaintext=True, min_aggregate=3, max_rounds=5)
+    with pytest.raises(ProtocolError, match="max-rounds=5"):
+        policy.check_setup(backend="ckks", secure_aggregation=True, rounds=6)
+    with pytest.raises(ProtocolError, match="min-aggregate=3"):
+        policy.check_aggregate(2)
+    with pytest.raises(ConfigError, match="min-aggregate must be >= 2"):
+        DataOwnerPolicy(min_aggregate=1)
+    with pytest.raises(ConfigError, match="'allow-plaintext' must be true or false"):
+        DataOwnerPolicy.from_node_config({"allow-plaintext": "yes"})
+    assert ClientState().trained_round == 0
+
+
+def test_extraction_attacks_report_their_fits(arena: Arena) -> None:
+    """On the micro student (two blocks, every output revealed): one entry per fit, its outcome
+    the threshold rule on the measured R^2, the control the same fit without permutations."""
+    results = red_team.extraction_attacks(
+        arena.model, arena.data, arena.config, seed=0, setting="micro", log=lambda _: None
+    )
+    assert [r.name for r in results] == ["extraction_block1", "extraction_later_blocks"]
+    for result in results:
+        assert np.isfinite([result.value, result.control]).all()
+        expected = SUCCEEDS if result.value >= red_team.EXTRACTION_SUCCESS_R2 else DEFENDED
+        assert result.outcome == expected and result.adversary == "curious client"
+        # the permutations do not stop these fits: the control (no permutations) is no better
+        assert result.value == pytest.approx(result.control, abs=0.1)
+
+
+@pytest.mark.slow
+def test_red_team_command_writes_every_attack(tmp_path: Path) -> None:
+    results = red_team.run_red_team(results_dir=tmp_path, log=lambda _: None, command="test")
+    payload = json.loads((tmp_path / "red_team.json").read_text())
+    names = [row["name"] for row in payload["rows"]]
+    assert names == [result.name for result in results]
+    assert set(red_team.ARENA_ATTACKS) | set(red_team.STANDALONE_ATTACKS) <= set(names)
+    for row in payload["rows"]:
+        assert row["outcome"] in (DEFENDED, SUCCEEDS)
+        assert row["test"].startswith("tests/experiments/test_red_team.py::test_")
+        assert {"target", "adversary", "figure", "value", "control"} <= set(row)
+    assert "| permutation_replay |" in (tmp_path / "red_team.md").read_text()
+    assert np.isfinite([row["control"] for row in payload["rows"]]).all()
