@@ -7,6 +7,7 @@
 ``fedfm bench-protocol``    cost per FL round and accuracy of ours vs linear probing vs full FT.
 ``fedfm bench-extraction``  model-extraction attacks from a curious client's view (App. C).
 ``fedfm red-team``  every attack on fedfm's promises against the current code, with its outcome.
+``fedfm train-llm``  the embedded decoder LLM (FedRAG, SLIP, CENTAUR): train once, cache, report.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
@@ -17,6 +18,7 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from fedfm.errors import FedfmError
@@ -529,6 +531,81 @@ def _paper(args: argparse.Namespace) -> None:
     )
 
 
+def decoder_source(args: argparse.Namespace):  # -> DecoderSource
+    """The embedded decoder ``fedfm train-llm``'s options describe (with no options: the one
+    ``load_decoder()`` loads)."""
+    from fedfm.models.decoder.artefact import DecoderSource
+    from fedfm.models.decoder.config import DecoderTraining
+
+    training = DecoderTraining(
+        **{field.name: getattr(args, field.name) for field in fields(DecoderTraining)}
+    )
+    return DecoderSource(
+        name=args.model, cache_dir=args.cache_dir, training=training, text_root=args.text_root
+    )
+
+
+def _train_llm(args: argparse.Namespace) -> None:
+    from fedfm.experiments.decoder import run_train_llm
+
+    run_train_llm(
+        decoder_source(args),
+        restart=args.restart,
+        threads=args.threads,
+        progress=not args.no_progress,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
+def _add_train_llm_arguments(parser: argparse.ArgumentParser) -> None:
+    """``fedfm train-llm``'s options; the training ones are :class:`DecoderTraining`'s fields
+    with its defaults (one table)."""
+    from fedfm.models.decoder.config import (
+        DEFAULT_CACHE_DIR,
+        DEFAULT_DECODER,
+        EMBEDDED_DECODERS,
+        TRAINING_HELP,
+        DecoderTraining,
+    )
+
+    parser.add_argument("--model", choices=sorted(EMBEDDED_DECODERS), default=DEFAULT_DECODER)
+    parser.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the decoder is cached"
+    )
+    group = parser.add_argument_group("training (the cache key hashes these)")
+    defaults = DecoderTraining()
+    for field in fields(DecoderTraining):
+        default = getattr(defaults, field.name)
+        kind = float if isinstance(default, float) else int
+        group.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            type=kind,
+            default=default,
+            help=f"{TRAINING_HELP[field.name]} (default {default})",
+        )
+    parser.add_argument(
+        "--text-root",
+        type=Path,
+        default=None,
+        help="train on the docstrings of this folder's .py files (default: the standard library)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads while training (default 1: on a busy 2-core machine two threads "
+        "contend; not part of the cache key)",
+    )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard the saved training state and any cached decoder, and train anew",
+    )
+    parser.add_argument("--results-dir", type=Path, default=Path("results"))
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedfm", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -735,6 +812,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     paper.add_argument("--results-dir", type=Path, default=Path("results"))
     paper.set_defaults(handler=_paper)
+
+    train_llm = commands.add_parser(
+        "train-llm",
+        help="train the embedded decoder LLM (a small Llama) on standard-library docstrings, "
+        "cache it, report held-out perplexity (resumes when rerun)",
+    )
+    _add_train_llm_arguments(train_llm)
+    train_llm.set_defaults(handler=_train_llm)
     return parser
 
 

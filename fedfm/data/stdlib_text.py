@@ -18,6 +18,13 @@ Splits (disjoint, by module):
   paper's Wikipedia/IMDB for its tasks.
 
 The draw depends on the seed and on the Python version's sources (recorded with results).
+
+**Documents** (:func:`stdlib_documents`, :func:`split_documents`): the same docstrings whole, for
+language modelling and retrieval: dedented with their line breaks, not cut at
+:data:`MAX_CHARACTERS`, each with its group (a task family, ``ood`` or ``public``, see
+:func:`group_of`). :func:`split_documents` holds out whole modules, a seeded draw per group, so
+held-out text shares no module with the training text (a docstring's siblings in one module are
+often near-copies); every group keeps training documents.
 """
 
 from __future__ import annotations
@@ -104,8 +111,10 @@ def stdlib_docstrings(root: Path | None = None) -> list[Docstring]:
 
 
 @functools.cache
-def _parse_docstrings(root: Path) -> tuple[Docstring, ...]:
-    found, seen = [], set()
+def _raw_docstrings(root: Path) -> tuple[Docstring, ...]:
+    """Every docstring as :func:`ast.get_docstring` gives it (dedented), in source order: the
+    one parse both views below share."""
+    found = []
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
         if parts[0] in EXCLUDED or any(part in {"test", "tests", "idle_test"} for part in parts):
@@ -115,11 +124,20 @@ def _parse_docstrings(root: Path) -> tuple[Docstring, ...]:
             tree = ast.parse(path.read_bytes())
         except (SyntaxError, ValueError):  # lib2to3 test data and the like
             continue
-        for name, raw in _documented(tree):
-            text = _clean(raw)
-            if len(text.split()) >= MIN_WORDS and text not in seen:
-                seen.add(text)
-                found.append(Docstring(module, name, text))
+        found += [Docstring(module, name, raw) for name, raw in _documented(tree) if raw]
+    if not found:
+        raise DataError(f"no docstrings found under {root}")
+    return tuple(found)
+
+
+@functools.cache
+def _parse_docstrings(root: Path) -> tuple[Docstring, ...]:
+    found, seen = [], set()
+    for item in _raw_docstrings(root):
+        text = _clean(item.text)
+        if len(text.split()) >= MIN_WORDS and text not in seen:
+            seen.add(text)
+            found.append(Docstring(item.module, item.name, text))
     if not found:
         raise DataError(f"no docstrings found under {root}")
     return tuple(found)
@@ -197,3 +215,119 @@ def build_splits(
         queries=LabelledTexts(query_texts, np.asarray(query_labels, dtype=np.int64)),
         ood=_draw(rng, ood, ood_size, "the OOD split"),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole documents: language modelling and retrieval
+# ---------------------------------------------------------------------------------------------
+
+OOD_GROUP = "ood"
+PUBLIC_GROUP = "public"
+HELD_OUT_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Document:
+    """One whole docstring: its module, the documented object, its group, the text.
+
+    ``group`` is the task family of the module (a key of :data:`TASK_FAMILIES`), ``ood`` for
+    GUI and terminal code, or ``public`` for every other module (:func:`group_of`).
+    """
+
+    module: str
+    name: str
+    group: str
+    text: str
+
+
+def group_of(module: str) -> str:
+    """The group of ``module``: its task family, :data:`OOD_GROUP` or :data:`PUBLIC_GROUP`."""
+    family = family_of(module)
+    if family is not None:
+        return family
+    return OOD_GROUP if is_ood(module) else PUBLIC_GROUP
+
+
+def _whole(text: str) -> str:
+    # Keep line breaks and indentation (doctest examples, lists); drop trailing blanks and runs
+    # of empty lines.
+    text = re.sub(r"[ \t]+\n", "\n", text.strip())
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def stdlib_documents(root: Path | None = None) -> list[Document]:
+    """Every usable docstring of the standard library whole (module docstring), in source order.
+
+    The same docstrings as :func:`stdlib_docstrings` (at least :data:`MIN_WORDS` words,
+    duplicates dropped) but not cut and with their line breaks.
+    """
+    found, seen = [], set()
+    for item in _raw_docstrings(root or stdlib_root()):
+        text = _whole(item.text)
+        if len(text.split()) >= MIN_WORDS and text not in seen:
+            seen.add(text)
+            found.append(Document(item.module, item.name, group_of(item.module), text))
+    return found
+
+
+@dataclass(frozen=True)
+class DocumentSplit:
+    """Training and held-out documents; no module has documents on both sides."""
+
+    train: tuple[Document, ...]
+    held_out: tuple[Document, ...]
+
+    def held_out_modules(self) -> set[str]:
+        return {document.module for document in self.held_out}
+
+
+def split_documents(
+    documents: list[Document] | None = None,
+    *,
+    seed: int = 0,
+    held_out_fraction: float = HELD_OUT_FRACTION,
+) -> DocumentSplit:
+    """Hold out whole modules: per group, a seeded order of its modules, taken while the held-out
+    characters stay within 1.5x of ``held_out_fraction`` of the group's, until they reach it.
+
+    Modules too large to fit are skipped, so a group of a few large modules may hold out less
+    than the fraction (never more than 1.5x of it); every group keeps at least one training
+    module. The seed is public: the split is a data split, not a secret.
+    """
+    if not 0.0 < held_out_fraction < 1.0:
+        raise DataError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
+    documents = stdlib_documents() if documents is None else documents
+    sizes: dict[str, dict[str, int]] = {}
+    for document in documents:
+        modules = sizes.setdefault(document.group, {})
+        modules[document.module] = modules.get(document.module, 0) + len(document.text)
+    rng = np.random.default_rng(seed)
+    held: set[str] = set()
+    for group in sorted(sizes):
+        names = sorted(sizes[group])
+        target = held_out_fraction * sum(sizes[group].values())
+        taken = 0
+        for index in rng.permutation(len(names)):
+            module = names[index]
+            if taken >= target:
+                break
+            if taken + sizes[group][module] <= 1.5 * target and len(names) > 1:
+                held.add(module)
+                taken += sizes[group][module]
+        if all(module in held for module in names):  # keep one module for training
+            held.discard(names[0])
+    return DocumentSplit(
+        train=tuple(d for d in documents if d.module not in held),
+        held_out=tuple(d for d in documents if d.module in held),
+    )
+
+
+def documents_by_group(
+    documents: tuple[Document, ...] | list[Document],
+) -> dict[str, list[Document]]:
+    """``documents`` by group (task family, ``ood``, ``public``), in their order: e.g. to give
+    each context owner of a retrieval protocol different families."""
+    groups: dict[str, list[Document]] = {}
+    for document in documents:
+        groups.setdefault(document.group, []).append(document)
+    return groups

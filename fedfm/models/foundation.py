@@ -11,8 +11,6 @@ Two sources (spec ``001`` §2, assumptions i-ii):
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +23,12 @@ from timm.models.vision_transformer import VisionTransformer
 
 from fedfm.errors import CheckpointError, ConfigError, ModelError
 from fedfm.hub import hub_unreachable_reason
+from fedfm.models.checkpoints import (
+    cache_key,
+    load_state_strict,
+    read_checkpoint,
+    save_checkpoint,
+)
 
 # Model variants as data (timm style). The tiny default reads 16x16 inputs in 4x4 patches: 16
 # patches + 1 class token (the 8x8 digits lose nothing at 16 px), because under CKKS attention costs
@@ -161,47 +165,9 @@ def load_pretrained(spec: ModelSpec, *, checkpoint: str | Path | None = None) ->
     return _require_vit(model, spec.name)
 
 
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically, so an interrupted run never leaves a truncated checkpoint behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(path.suffix + ".partial")
-    torch.save(payload, partial)
-    partial.replace(path)
-
-
-def read_checkpoint(path: str | Path, *, expected_format: str) -> dict[str, Any]:
-    """Load a fedfm checkpoint, turning every way it can be unreadable into a clear error."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # pickle, zip and torch errors all mean "not a checkpoint"
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or not a torch checkpoint ({type(error).__name__})"
-        ) from error
-    found = payload.get("format") if isinstance(payload, dict) else None
-    if found != expected_format:
-        raise CheckpointError(
-            f"checkpoint {path} has format {found!r}, expected {expected_format!r}"
-        )
-    return payload
-
-
-def load_state_strict(model: torch.nn.Module, state: dict[str, Any], *, source: str) -> None:
-    """``load_state_dict(strict=True)``, raising a :class:`CheckpointError` naming the mismatch."""
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as error:
-        first = str(error).strip().splitlines()
-        detail = " ".join(line.strip() for line in first[:3])
-        raise CheckpointError(f"{source} does not match the model: {detail}") from error
-
-
 def teacher_cache_key(**settings: Any) -> str:
     """A short hash of everything that determines a pretrained teacher."""
-    blob = json.dumps(settings, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    return cache_key(**settings)
 
 
 def load_teacher(path: str | Path) -> tuple[VisionTransformer, dict[str, Any]]:
