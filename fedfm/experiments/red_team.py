@@ -14,6 +14,7 @@ student of a work folder, as ``fedfm bench-extraction`` does.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -534,6 +535,19 @@ ARENA_ATTACKS: dict[str, ArenaAttack] = {
 STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
     "relay_pin_injection": relay_pin_injection,
 }
+# Each protocol's own attack suite: ``"module:function"``, a function of no arguments returning
+# a list of AttackResult (imported only when the red team runs; the protocol's harness module
+# lives in fedfm.experiments). One line per protocol.
+PROTOCOL_SUITES: dict[str, str] = {}
+
+
+def protocol_suite(name: str) -> Callable[[], list[AttackResult]]:
+    """The attack suite registered for protocol ``name`` in :data:`PROTOCOL_SUITES`."""
+    module_name, _, function = PROTOCOL_SUITES[name].partition(":")
+    suite: Callable[[], list[AttackResult]] = getattr(
+        importlib.import_module(module_name), function
+    )
+    return suite
 
 
 def run_red_team(
@@ -553,6 +567,9 @@ def run_red_team(
     for name, standalone in STANDALONE_ATTACKS.items():
         log(f"[fedfm] red team: {name}")
         results.append(standalone())
+    for protocol in PROTOCOL_SUITES:
+        log(f"[fedfm] red team: the {protocol} suite")
+        results += protocol_suite(protocol)()
     if extraction is not None:
         log("[fedfm] red team: extraction_block1, extraction_later_blocks")
         run, config, federation = extraction
