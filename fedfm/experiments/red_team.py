@@ -33,6 +33,7 @@ from fedfm.distillation.pipeline import DistillRun, load_data, obtain_student
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.experiments.bench_protocol import curious_run, extraction_metrics
 from fedfm.experiments.results import write_results
+from fedfm.experiments.secagg_attack import false_dropout_attack, key_substitution_attack
 from fedfm.models import ModelSpec, to_fhe_friendly
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
@@ -46,9 +47,12 @@ from fedfm.protocols.double_blind.permutation import relative
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, client_data, federation_data
 from fedfm.protocols.double_blind.server import ClientUpdate, DoubleBlindServer
+from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.identity import Identity, IdentityError, KeyBundle, format_pins, parse_pins
 from fedfm.runtime.settings import node_settings, split_run_config
 from fedfm.runtime.transport import Envelope
+from fedfm.secagg import ClientUpdate as MaskedUpdate
+from fedfm.secagg import KeyAuthentication, SecAggConfig
 
 DEFENDED, SUCCEEDS = "defended", "succeeds"
 TESTS = "tests/experiments/test_red_team.py"
@@ -522,6 +526,82 @@ def extraction_attacks(
     return results
 
 
+# -- 3. secure aggregation against an active server -----------------------------------------------
+
+
+def _secagg_round(count: int, *, seed: int) -> tuple[SecAggConfig, dict[int, MaskedUpdate]]:
+    """``count`` clients' updates (a head's shape, values within the clipping range)."""
+    rng = np.random.default_rng(seed)
+    updates = {
+        node: MaskedUpdate(
+            {"head.weight": rng.uniform(-0.9, 0.9, (10, 16)).astype(np.float32)},
+            int(rng.integers(16, 65)),
+        )
+        for node in range(1, count + 1)
+    }
+    config = SecAggConfig(clipping_range=1.0, quantization_bits=24, max_weight=64, min_clients=2)
+    return config, updates
+
+
+def secagg_key_substitution() -> AttackResult:
+    """The server substitutes its own keys for a target's neighbours (fedfm.experiments.
+    secagg_attack) and unmasks the target's update."""
+    config, updates = _secagg_round(8, seed=21)
+    target = 4
+
+    def recovered(authentication: dict[int, KeyAuthentication]) -> float:
+        outcome = key_substitution_attack(config, updates, authentication, target=target)
+        return 1.0 if outcome.succeeded else 0.0
+
+    control = recovered({node: KeyAuthentication.semi_honest() for node in updates})
+    value = recovered(dict(signed_federation(updates)))
+    return AttackResult(
+        name="secagg_key_substitution",
+        target="one data owner's update under secure aggregation",
+        adversary="active server",
+        outcome=DEFENDED if value == 0 else SUCCEEDS,
+        figure="1 if the server recovers the target's update within one quantization step",
+        value=value,
+        control=control,
+        test="tests/secagg/test_active_server.py::test_key_substitution_is_refused_when_keys_are_signed",
+        detail=(
+            "8 clients, complete graph; control: keys taken as relayed (the semi-honest mode, "
+            "as before signed keys); now: keys signed by each data owner's identity and checked "
+            "against its pins"
+        ),
+    )
+
+
+def secagg_false_dropouts() -> AttackResult:
+    """The server lies about which neighbours dropped, with authentic keys (a residual)."""
+    config, updates = _secagg_round(6, seed=31)
+    signed = dict(signed_federation(updates))
+    value = float(false_dropout_attack(config, updates, signed, target=2).succeeded)
+    config5, updates5 = _secagg_round(5, seed=31)
+    control = float(
+        false_dropout_attack(
+            config5, updates5, dict(signed_federation(updates5)), target=2
+        ).succeeded
+    )
+    return AttackResult(
+        name="secagg_false_dropouts",
+        target="one data owner's update under secure aggregation",
+        adversary="active server",
+        outcome=DEFENDED if value == 0 else SUCCEEDS,
+        figure="1 if the server recovers the target's update (6 clients, complete graph, "
+        "signed keys)",
+        value=value,
+        control=control,
+        test="tests/secagg/test_active_server.py::test_false_dropouts_unmask_a_target_despite_signed_keys",
+        detail=(
+            "not defended: SecAgg+ without the consistency round of Bonawitz et al. lets a server "
+            "tell holders different survivor sets; infeasible with 5 clients on the complete "
+            "graph (the control column: the default federation), feasible from 6; see "
+            "docs/secure_aggregation.md"
+        ),
+    )
+
+
 # -- the command --------------------------------------------------------------------------------
 
 ArenaAttack = Callable[[Arena], AttackResult]
@@ -533,6 +613,8 @@ ARENA_ATTACKS: dict[str, ArenaAttack] = {
     "loss_decryption_oracle": loss_decryption_oracle,
 }
 STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
+    "secagg_key_substitution": secagg_key_substitution,
+    "secagg_false_dropouts": secagg_false_dropouts,
     "relay_pin_injection": relay_pin_injection,
 }
 # Each protocol's own attack suite: ``"module:function"``, a function of no arguments returning

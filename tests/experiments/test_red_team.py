@@ -68,6 +68,16 @@ def test_loss_decryption_oracle(arena: Arena) -> None:
     assert result.value == float("inf")  # refused
 
 
+def test_secagg_rows_report_the_active_server_attacks() -> None:
+    """The rows the red team writes for SecAgg+ (the attacks' own tests live in
+    tests/secagg/test_active_server.py): key substitution is defended by signed keys, false
+    dropouts succeed from six clients on the complete graph, not with the default five."""
+    substitution = red_team.secagg_key_substitution()
+    assert (substitution.outcome, substitution.value, substitution.control) == (DEFENDED, 0, 1)
+    dropouts = red_team.secagg_false_dropouts()
+    assert (dropouts.outcome, dropouts.value, dropouts.control) == (SUCCEEDS, 1, 0)
+
+
 def test_relay_pin_injection() -> None:
     result = red_team.relay_pin_injection()
     check(result, "relay_pin_injection")
