@@ -89,7 +89,9 @@ class Arena:
     model: FheViT
     data: list[ClientData]
     config: DoubleBlindConfig = field(
-        default_factory=lambda: DoubleBlindConfig(rounds=3, batch_size=16, batches_per_round=2)
+        default_factory=lambda: DoubleBlindConfig(
+            rounds=3, batch_size=16, batches_per_round=2, reveal="all"
+        )
     )
 
 
@@ -447,9 +449,10 @@ def relay_pin_injection() -> AttackResult:
 
 # -- extraction (App. C): what a curious client fits of the model --------------------------------
 
-EXTRACTION_SUCCESS_R2 = 0.5
-"""An extraction attack *succeeds* when the client's fit explains at least half the variance of
-the model's computation on held-out samples (R^2 on samples the fit never saw)."""
+EXTRACTION_SUCCESS_R2 = 0.2
+"""An extraction attack *succeeds* when the client's fit explains a fifth or more of the variance
+of the model's computation on held-out samples (R^2 on samples the fit never saw): a partial
+copy of the model the client was never given."""
 
 
 def extraction_attacks(
@@ -461,13 +464,19 @@ def extraction_attacks(
     setting: str,
     log: Callable[[str], None] = print,
 ) -> list[AttackResult]:
-    """(a') and (b) of ``fedfm bench-extraction`` on ``config``'s tap set, every client curious,
-    with permutations on (the protocol) and off (the control); ``setting`` describes the
-    student and the federation for the report."""
+    """(a') and (b) of ``fedfm bench-extraction``, every client curious, on ``config``'s tap set
+    (the value) and on the paper's (every block revealed: the control); ``setting`` describes
+    the student and the federation for the report.
+
+    (a') fits the image to the first revealed output after realigning rows by labels: the
+    embedding and every block up to that output. (b) fits each later revealed output from the
+    previous one; a tap set with one revealed output leaves it nothing to fit (R^2 0).
+    """
     backend = get_backend(config.backend)
-    figures: dict[bool, dict[str, float]] = {}
-    for permute in (True, False):
-        curious = replace(config, permute=permute)
+    figures: dict[str, dict[str, float]] = {}
+    shown: dict[str, list[int]] = {}
+    for reveal in (config.reveal, "all"):
+        curious = replace(config, reveal=reveal)
         clients, observed = curious_run(student, datasets, curious, backend, log, seed=seed)
         metrics = extraction_metrics(
             observed.server.num_blocks, datasets, curious, clients, observed.server.drawn, mlp=False
@@ -477,19 +486,19 @@ def extraction_attacks(
             for name, values in metrics.items()
             if name.startswith("b") and name.endswith("_r2_output") and "control" not in name
         ]
-        figures[permute] = {
+        figures[reveal] = {
             "first": float(np.mean(metrics["a_labels_r2"])),
-            "later": float(np.mean(later)) if later else float("nan"),
+            "later": float(np.mean(later)) if later else 0.0,
         }
-    shown = observed.server.revealed
-    setting = (
-        f"reveal={config.reveal} (blocks {shown} of {student.num_blocks} shown), {setting}, "
-        f"{config.rounds} rounds, n={config.batch_size} x {config.batches_per_round}; control: "
-        "permutations off (debug)"
+        shown[reveal] = list(observed.server.revealed)
+    detail = (
+        f"value: reveal={config.reveal} (blocks {shown[config.reveal]} of {student.num_blocks} "
+        f"shown); control: reveal=all (the paper's taps); {setting}, {config.rounds} rounds, "
+        f"n={config.batch_size} x {config.batches_per_round}, permutations on"
     )
 
-    def result(name: str, key: str, target: str, figure: str, test: str) -> AttackResult:
-        value = figures[True][key]
+    def result(name: str, key: str, target: str, figure: str) -> AttackResult:
+        value = figures[config.reveal][key]
         return AttackResult(
             name=name,
             target=target,
@@ -497,33 +506,27 @@ def extraction_attacks(
             outcome=SUCCEEDS if value >= EXTRACTION_SUCCESS_R2 else DEFENDED,
             figure=figure,
             value=value,
-            control=figures[False][key],
-            test=f"{TESTS}::{test}",
-            detail=setting,
+            control=figures["all"][key],
+            test=f"{TESTS}::test_extraction_attacks_report_their_fits",
+            detail=detail,
         )
 
-    results = [
+    return [
         result(
             "extraction_block1",
             "first",
-            f"the model's embedding and blocks up to block {shown[0]}",
+            f"the model's embedding and blocks 1..{shown[config.reveal][0]}",
             "held-out R^2 of the client's fit image -> first revealed output, after aligning "
             "rows by its labels (a')",
-            "test_extraction_attacks_report_their_fits",
-        )
+        ),
+        result(
+            "extraction_later_blocks",
+            "later",
+            "the model's blocks between two revealed outputs",
+            "held-out R^2 of each later revealed output fitted from the previous one (b), mean "
+            "over outputs (0: no two outputs revealed)",
+        ),
     ]
-    if len(shown) > 1:
-        results.append(
-            result(
-                "extraction_later_blocks",
-                "later",
-                "the model's later blocks",
-                "held-out R^2 of each later revealed output fitted from the previous one (b), "
-                "mean over outputs",
-                "test_extraction_attacks_report_their_fits",
-            )
-        )
-    return results
 
 
 # -- 3. secure aggregation against an active server -----------------------------------------------

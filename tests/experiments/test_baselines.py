@@ -32,13 +32,16 @@ from fedfm.experiments.baselines import (
 )
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import ModelSpec
-from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from fedfm.protocols.double_blind.config import DoubleBlindConfig, revealed_blocks
 from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
 
 FEDERATION = Federation(num_clients=2, scheme="iid")
-CONFIG = DoubleBlindConfig(rounds=2, batch_size=16, batches_per_round=2)
+CONFIG = DoubleBlindConfig(rounds=2, batch_size=16, batches_per_round=2, reveal="all")
 DATA = ["--image-size", "16", "--max-samples", "200", "--no-progress"]
-SMALL = ["--rounds", "2", "--clients", "2", "--partition", "iid", "--batches-per-round", "2"]
+SMALL = [
+    "--rounds", "2", "--clients", "2", "--partition", "iid", "--batches-per-round", "2",
+    "--reveal", "all",
+]  # fmt: skip
 
 
 def quiet(_: str) -> None:
@@ -98,8 +101,10 @@ def test_linear_probe_is_the_protocol_with_rank_zero(
     # a near-tie of two logits may flip between the runs: one held-out sample at most
     accuracies = [r.balanced_accuracy for r in direct]
     assert [r.balanced_accuracy for r in probe] == pytest.approx(accuracies, abs=0.02)
-    # L + 1 round trips to train, 4 SecAgg stages and L to evaluate per round; plus setup
-    assert transport.stats.round_trips == 1 + CONFIG.rounds * (2 * student.num_blocks + 5)
+    # R + 1 round trips to train, 4 SecAgg stages and R to evaluate per round (R revealed
+    # blocks); plus setup
+    shown = len(revealed_blocks(CONFIG.reveal, student.num_blocks))
+    assert transport.stats.round_trips == 1 + CONFIG.rounds * (2 * shown + 5)
 
 
 def test_full_finetune_is_fedavg_of_one_sgd_step_per_client(

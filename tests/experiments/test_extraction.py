@@ -77,12 +77,12 @@ def observe(student: FheViT, datasets: list[ClientData], config: DoubleBlindConf
 
 @pytest.fixture(scope="module")
 def permuted(student: FheViT, datasets: list[ClientData]) -> Run:
-    return observe(student, datasets, DoubleBlindConfig(rounds=3, batch_size=BATCH))
+    return observe(student, datasets, DoubleBlindConfig(rounds=3, batch_size=BATCH, reveal="all"))
 
 
 @pytest.fixture(scope="module")
 def unpermuted(student: FheViT, datasets: list[ClientData]) -> Run:
-    config = DoubleBlindConfig(rounds=3, batch_size=BATCH, permute=False)
+    config = DoubleBlindConfig(rounds=3, batch_size=BATCH, permute=False, reveal="all")
     return observe(student, datasets, config)
 
 

@@ -4,6 +4,7 @@ control) and fails against the current code, and ``fedfm red-team`` lists them a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -120,18 +121,21 @@ def test_the_policy_comes_from_node_config_and_names_its_rules() -> None:
 
 
 def test_extraction_attacks_report_their_fits(arena: Arena) -> None:
-    """On the micro student (two blocks, every output revealed): one entry per fit, its outcome
-    the threshold rule on the measured R^2, the control the same fit without permutations."""
+    """On the micro student (two blocks): the default tap set (the last output only) against the
+    paper's (every output): one entry per fit, its outcome the threshold rule on the measured
+    R^2; with one revealed output there is no pair of outputs to fit."""
+    config = replace(arena.config, reveal="last")
     results = red_team.extraction_attacks(
-        arena.model, arena.data, arena.config, seed=0, setting="micro", log=lambda _: None
+        arena.model, arena.data, config, seed=0, setting="micro", log=lambda _: None
     )
     assert [r.name for r in results] == ["extraction_block1", "extraction_later_blocks"]
     for result in results:
         assert np.isfinite([result.value, result.control]).all()
         expected = SUCCEEDS if result.value >= red_team.EXTRACTION_SUCCESS_R2 else DEFENDED
         assert result.outcome == expected and result.adversary == "curious client"
-        # the permutations do not stop these fits: the control (no permutations) is no better
-        assert result.value == pytest.approx(result.control, abs=0.1)
+    first, later = results
+    assert later.value == 0.0 and later.control > red_team.EXTRACTION_SUCCESS_R2
+    assert first.control > red_team.EXTRACTION_SUCCESS_R2  # block 1 alone: the seed's leak
 
 
 @pytest.mark.slow

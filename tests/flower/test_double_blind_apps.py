@@ -126,6 +126,7 @@ def run_config(student_dir: Path, **changes: object) -> dict[str, object]:
         "num-clients": 3,
         "rounds": 2,
         "batches-per-round": 1,
+        "reveal": "all",  # every block's round trip goes through the apps
         "image-size": IMAGE,
         "workdir": str(student_dir),
     }
@@ -315,7 +316,7 @@ def test_client_app_runs_setup_and_a_round_and_the_key_stays_in_context_state(
     context = node_context(42, 1, run_config(student_dir))
     server = DoubleBlindServer(
         server_model,
-        DoubleBlindConfig(rounds=1, batches_per_round=1),
+        DoubleBlindConfig(rounds=1, batches_per_round=1, reveal="all"),
         SimulateBackend(),
         num_classes=10,
         **QUIET,

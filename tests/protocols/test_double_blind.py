@@ -80,7 +80,7 @@ def model(splits):
 
 
 def small_config(**changes) -> DoubleBlindConfig:
-    return replace(DoubleBlindConfig(rounds=2, batches_per_round=2), **changes)
+    return replace(DoubleBlindConfig(rounds=2, batches_per_round=2, reveal="all"), **changes)
 
 
 # One researcher plays every party here: data owners that accept the plaintext backend and a
@@ -383,9 +383,11 @@ def test_in_process_run_accounts_round_trips(model, splits) -> None:
     assert [record.round for record in history] == [1, 2, 3]
     assert all(np.isfinite(record.train_loss) for record in history)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history)
-    # L + 1 round trips to train, 4 SecAgg stages and L to evaluate, per round; plus setup
-    assert all(record.round_trips == 2 * model.num_blocks + 5 for record in history)
-    assert transport.stats.round_trips == 1 + 3 * (2 * model.num_blocks + 5)
+    # R + 1 round trips to train, 4 SecAgg stages and R to evaluate, per round (R revealed
+    # blocks); plus setup
+    shown = len(revealed_blocks(config.reveal, model.num_blocks))
+    assert all(record.round_trips == 2 * shown + 5 for record in history)
+    assert transport.stats.round_trips == 1 + 3 * (2 * shown + 5)
 
 
 def test_a_client_dropping_mid_round_leaves_the_round_to_the_others(model, splits) -> None:
