@@ -38,6 +38,7 @@ transport's job (TLS on the Deployment Engine).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -45,7 +46,7 @@ import os
 import tempfile
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import cached_property
@@ -67,7 +68,7 @@ from fedfm.crypto.backend import (
 )
 from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
-from fedfm.crypto.params import CKKS_16384, CkksParameters
+from fedfm.crypto.params import CKKS_16384, REFRESH_VALUE_BITS, CkksParameters
 from fedfm.crypto.refresh import RefreshClient, RefreshServer, refresh_blobs
 from fedfm.crypto.seal_raw import SealIO, dumps, scratch_root, seal_bytes
 from fedfm.crypto.workers import (
@@ -158,6 +159,10 @@ class CkksBatch(EncryptedBatch):
 
     ``shape`` is the logical shape (images ``(n, C, H, W)``, hidden ``(n, T, D)``, rows
     ``(n, C)``); ``copies`` says whether the token copies of the layout hold valid values.
+    ``releaser`` is set on every batch an evaluator computes: serializing such a batch
+    (:meth:`to_payload`, :attr:`nbytes`) serializes ``releaser(batch)`` instead, re-randomised
+    and flooded (:meth:`CkksEvaluator.release`), so no computed ciphertext leaves the server
+    without it, whatever protocol code sends it.
     """
 
     tensor: tuple[tuple[Any, ...], ...]
@@ -166,6 +171,7 @@ class CkksBatch(EncryptedBatch):
     fingerprint: bytes
     copies: bool = True
     backend: str = NAME
+    releaser: Callable[[CkksBatch], CkksBatch] | None = None
 
     def __post_init__(self) -> None:
         if not self.shape or self.shape[0] < 1:
@@ -192,7 +198,8 @@ class CkksBatch(EncryptedBatch):
 
     @cached_property
     def _payload(self) -> dict[str, np.ndarray]:
-        blob = _join([dumps(ct) for feature in self.tensor for ct in feature])
+        tensor = self.tensor if self.releaser is None else self.releaser(self).tensor
+        blob = _join([dumps(ct) for feature in tensor for ct in feature])
         shape = np.asarray(self.shape, dtype=np.int64)
         layout = np.asarray(
             [
@@ -321,6 +328,7 @@ class CkksKeyOwner(KeyOwner):
         public_context: bytes | None,
         geometry: ModelGeometry | None,
         workers: int = 0,
+        value_bits: int = REFRESH_VALUE_BITS,
     ) -> None:
         if not context.is_private():
             raise CryptoParameterError("a CKKS key owner needs a context with its secret key")
@@ -332,7 +340,8 @@ class CkksKeyOwner(KeyOwner):
         self._encryptor = sealapi.Encryptor(self._seal, context.secret_key().data)
         self._decryptor = sealapi.Decryptor(self._seal, context.secret_key().data)
         self._packing = _Packing(self._encoder.slot_count(), geometry)
-        self._refresher = RefreshClient(context)
+        self._refresher = RefreshClient(context, value_bits=value_bits)
+        self._value_bits = value_bits
         self._io = SealIO(self._seal)
         self._workers = workers
 
@@ -385,7 +394,10 @@ class CkksKeyOwner(KeyOwner):
         if pool is not None:
             try:
                 fresh_parts = pool.map_chunks(
-                    refresh_blobs, self._worker_context, parts, local=self._refresh_parts
+                    functools.partial(refresh_blobs, value_bits=self._value_bits),
+                    self._worker_context,
+                    parts,
+                    local=self._refresh_parts,
                 )
                 return list_payload(fresh_parts, self.fingerprint)
             except BrokenProcessPool as error:
@@ -520,7 +532,12 @@ class CkksEvaluator(Evaluator):
             raise CryptoParameterError("public context lacks relinearization keys")
         self.params = params
         self.fingerprint = context_fingerprint(context)
-        refresher = RefreshServer(context, workers=workers)
+        refresher = RefreshServer(
+            context,
+            value_bits=params.refresh_value_bits,
+            flood_bits=params.flood_bits,
+            workers=workers,
+        )
         self.circuit = Circuit(context, refresher)
         pool = shared_pool(workers)
         if pool is not None:
@@ -544,7 +561,20 @@ class CkksEvaluator(Evaluator):
     def _batch(self, tensor: list[list[Any]], shape: tuple[int, ...], copies: bool) -> CkksBatch:
         layout = self._packing.layout_for(shape)
         frozen = tuple(tuple(feature) for feature in tensor)
-        return CkksBatch(frozen, shape, layout, self.fingerprint, copies=copies)
+        return CkksBatch(
+            frozen, shape, layout, self.fingerprint, copies=copies, releaser=self.release
+        )
+
+    def release(self, batch: EncryptedBatch) -> CkksBatch:
+        """``batch`` at the lowest level, every ciphertext re-randomised and flooded
+        (:meth:`~fedfm.crypto.refresh.RefreshServer.release_many`): what may go to the key
+        holder. Batches this evaluator computes are released when serialized."""
+        source = self._check(batch)
+        flat = [ct for feature in source.tensor for ct in feature]
+        with self.circuit.stats.timing("release"):
+            released = iter(self.circuit.refresher.release_many(flat))
+        tensor = tuple(tuple(next(released) for _ in feature) for feature in source.tensor)
+        return CkksBatch(tensor, source.shape, source.layout, self.fingerprint, copies=source.copies)
 
     def load(self, payload: dict[str, np.ndarray]) -> CkksBatch:
         return _load(payload, self._io, self.fingerprint, top_only=True)
@@ -573,6 +603,7 @@ class CkksEvaluator(Evaluator):
             source.layout,
             self.fingerprint,
             copies=source.copies,
+            releaser=self.release,
         )
 
     def embed(self, model: FheViT, images: EncryptedBatch) -> Work[CkksBatch]:
@@ -681,7 +712,13 @@ class CkksBackend(CryptoBackend):
         steps = SlotLayout.for_tokens(
             self.params.slots, 1 if geometry is None else geometry.tokens
         ).rotation_steps()
-        return CkksKeyOwner(context, public_context_bytes(context, steps), geometry, self.workers)
+        return CkksKeyOwner(
+            context,
+            public_context_bytes(context, steps),
+            geometry,
+            self.workers,
+            self.params.refresh_value_bits,
+        )
 
     def restore_key_owner(self, state: dict[str, np.ndarray]) -> CkksKeyOwner:
         try:
@@ -690,7 +727,7 @@ class CkksBackend(CryptoBackend):
             raise CryptoParameterError(f"CKKS key owner state lacks {error}") from None
         context = context_from_bytes(private.astype(np.uint8).tobytes(), "key owner state")
         check_context_parameters(context, self.params)
-        return CkksKeyOwner(context, None, geometry, self.workers)
+        return CkksKeyOwner(context, None, geometry, self.workers, self.params.refresh_value_bits)
 
     def create_evaluator(
         self, public_context: bytes, geometry: ModelGeometry | None = None

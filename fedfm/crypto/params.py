@@ -25,13 +25,32 @@ MAX_MODULUS_BITS_128: dict[int, int] = {
 }
 
 
+# A masked refresh is calibrated for decoded slot values up to 2^REFRESH_VALUE_BITS: every
+# unmasked coefficient is then below 2^(scale_bits + REFRESH_VALUE_BITS), the bound the data
+# owner checks and the run's statistical-distance budget is accounted with
+# (fedfm.crypto.refresh.RefreshBound). The distilled student's refreshed values stay below 2^9
+# (docs/ckks.md, "Masked refreshes"); 2^10 leaves a factor of two.
+REFRESH_VALUE_BITS = 10
+# Released ciphertexts (what the server sends the key holder besides masked refreshes) are
+# flooded with a rounded Gaussian of standard deviation 2^FLOOD_BITS per coefficient: at scale
+# 2^40 and N = 8192 that is a slot error of standard deviation 2^FLOOD_BITS * 64 / 2^40
+# (docs/ckks.md, "Circuit privacy").
+FLOOD_BITS = 20
+
+
 @dataclass(frozen=True)
 class CkksParameters:
-    """A CKKS parameter set: ring degree, coefficient-modulus chain and scale."""
+    """A CKKS parameter set: ring degree, coefficient-modulus chain and scale.
+
+    ``refresh_value_bits`` and ``flood_bits`` are the masked refresh's calibrated value bound
+    and the release's flooding noise (:data:`REFRESH_VALUE_BITS`, :data:`FLOOD_BITS`).
+    """
 
     poly_modulus_degree: int
     coeff_mod_bit_sizes: tuple[int, ...]
     scale_bits: int
+    refresh_value_bits: int = REFRESH_VALUE_BITS
+    flood_bits: int = FLOOD_BITS
 
     def __post_init__(self) -> None:
         if self.poly_modulus_degree not in MAX_MODULUS_BITS_128:
@@ -98,9 +117,12 @@ class CkksParameters:
 
 # HELIX's practice (spec 000, Sec. 5.2): N = 8192, [60, 40, 40, 60], scale 2^40: depth 2.
 CKKS_8192 = CkksParameters(8192, (60, 40, 40, 60), 40)
-# The CKKS backend's default: N = 16384, q0 of 58 bits and a 40-bit mask prime (the refresh
-# level, 98 bits, holds a mask of 2^95), seven 40-bit levels, a 60-bit special prime: 438 bits,
-# exactly the 128-bit budget. Seven rescales between refreshes.
-CKKS_16384 = CkksParameters(16384, (58, 40, 40, 40, 40, 40, 40, 40, 40, 60), 40)
-# The smallest set with the same refresh level (for tests): one rescale between refreshes.
-CKKS_8192_REFRESH = CkksParameters(8192, (58, 40, 40, 60), 40)
+# The CKKS backend's default: N = 16384, a refresh level of two 60-bit primes (120 bits: room
+# for a mask of 2^117 over coefficients below 2^50), six 40-bit levels, a 60-bit special prime:
+# 420 of the 438 bits the 128-bit bound allows (a seventh level would take 460). Six rescales
+# between refreshes.
+CKKS_16384 = CkksParameters(16384, (60, 60, 40, 40, 40, 40, 40, 40, 60), 40)
+# The smallest set with a refresh level (N = 8192, CI and benchmarks): q0 q1 of 60 + 58 bits,
+# one 40-bit level, a 60-bit special prime: 218 bits, exactly the 128-bit budget. One rescale
+# between refreshes.
+CKKS_8192_REFRESH = CkksParameters(8192, (60, 58, 40, 60), 40)
