@@ -68,7 +68,12 @@ from fedfm.crypto.backend import (
 )
 from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
-from fedfm.crypto.params import CKKS_16384, REFRESH_VALUE_BITS, CkksParameters
+from fedfm.crypto.params import (
+    CKKS_16384,
+    REFRESH_PRIMES,
+    REFRESH_VALUE_BITS,
+    CkksParameters,
+)
 from fedfm.crypto.refresh import RefreshClient, RefreshServer, refresh_blobs
 from fedfm.crypto.seal_raw import SealIO, dumps, scratch_root, seal_bytes
 from fedfm.crypto.workers import (
@@ -329,6 +334,7 @@ class CkksKeyOwner(KeyOwner):
         geometry: ModelGeometry | None,
         workers: int = 0,
         value_bits: int = REFRESH_VALUE_BITS,
+        refresh_primes: int = REFRESH_PRIMES,
     ) -> None:
         if not context.is_private():
             raise CryptoParameterError("a CKKS key owner needs a context with its secret key")
@@ -340,8 +346,10 @@ class CkksKeyOwner(KeyOwner):
         self._encryptor = sealapi.Encryptor(self._seal, context.secret_key().data)
         self._decryptor = sealapi.Decryptor(self._seal, context.secret_key().data)
         self._packing = _Packing(self._encoder.slot_count(), geometry)
-        self._refresher = RefreshClient(context, value_bits=value_bits)
-        self._value_bits = value_bits
+        self._refresher = RefreshClient(
+            context, value_bits=value_bits, refresh_primes=refresh_primes
+        )
+        self._value_bits, self._refresh_primes = value_bits, refresh_primes
         self._io = SealIO(self._seal)
         self._workers = workers
 
@@ -394,7 +402,11 @@ class CkksKeyOwner(KeyOwner):
         if pool is not None:
             try:
                 fresh_parts = pool.map_chunks(
-                    functools.partial(refresh_blobs, value_bits=self._value_bits),
+                    functools.partial(
+                        refresh_blobs,
+                        value_bits=self._value_bits,
+                        refresh_primes=self._refresh_primes,
+                    ),
                     self._worker_context,
                     parts,
                     local=self._refresh_parts,
@@ -536,6 +548,7 @@ class CkksEvaluator(Evaluator):
             context,
             value_bits=params.refresh_value_bits,
             flood_bits=params.flood_bits,
+            refresh_primes=params.refresh_primes,
             workers=workers,
         )
         self.circuit = Circuit(context, refresher)
@@ -574,7 +587,9 @@ class CkksEvaluator(Evaluator):
         with self.circuit.stats.timing("release"):
             released = iter(self.circuit.refresher.release_many(flat))
         tensor = tuple(tuple(next(released) for _ in feature) for feature in source.tensor)
-        return CkksBatch(tensor, source.shape, source.layout, self.fingerprint, copies=source.copies)
+        return CkksBatch(
+            tensor, source.shape, source.layout, self.fingerprint, copies=source.copies
+        )
 
     def load(self, payload: dict[str, np.ndarray]) -> CkksBatch:
         return _load(payload, self._io, self.fingerprint, top_only=True)
@@ -680,10 +695,10 @@ class CkksBackend(CryptoBackend):
         workers: int | None = None,
     ) -> None:
         params.accept(allow_insecure=allow_insecure)
-        if params.depth < 2:
+        if params.levels_between_refreshes < 1:
             raise CryptoParameterError(
                 f"CKKS parameters {params.coeff_mod_bit_sizes} leave no level between refreshes: "
-                "the first two primes are the refresh level"
+                f"the first {params.refresh_primes} primes are the refresh level"
             )
         self.params = params
         self.name = name  # the registered name, so logs and results say which parameter set ran
@@ -718,6 +733,7 @@ class CkksBackend(CryptoBackend):
             geometry,
             self.workers,
             self.params.refresh_value_bits,
+            self.params.refresh_primes,
         )
 
     def restore_key_owner(self, state: dict[str, np.ndarray]) -> CkksKeyOwner:
@@ -727,7 +743,14 @@ class CkksBackend(CryptoBackend):
             raise CryptoParameterError(f"CKKS key owner state lacks {error}") from None
         context = context_from_bytes(private.astype(np.uint8).tobytes(), "key owner state")
         check_context_parameters(context, self.params)
-        return CkksKeyOwner(context, None, geometry, self.workers, self.params.refresh_value_bits)
+        return CkksKeyOwner(
+            context,
+            None,
+            geometry,
+            self.workers,
+            self.params.refresh_value_bits,
+            self.params.refresh_primes,
+        )
 
     def create_evaluator(
         self, public_context: bytes, geometry: ModelGeometry | None = None

@@ -31,6 +31,8 @@ MAX_MODULUS_BITS_128: dict[int, int] = {
 # (fedfm.crypto.refresh.RefreshBound). The distilled student's refreshed values stay below 2^9
 # (docs/ckks.md, "Masked refreshes"); 2^10 leaves a factor of two.
 REFRESH_VALUE_BITS = 10
+# A refresh level of the chain's first two primes (three in CKKS_16384: fedfm.crypto.refresh).
+REFRESH_PRIMES = 2
 # Released ciphertexts (what the server sends the key holder besides masked refreshes) are
 # flooded with a rounded Gaussian of standard deviation 2^FLOOD_BITS per coefficient: at scale
 # 2^40 and N = 8192 that is a slot error of standard deviation 2^FLOOD_BITS * 64 / 2^40
@@ -43,7 +45,8 @@ class CkksParameters:
     """A CKKS parameter set: ring degree, coefficient-modulus chain and scale.
 
     ``refresh_value_bits`` and ``flood_bits`` are the masked refresh's calibrated value bound
-    and the release's flooding noise (:data:`REFRESH_VALUE_BITS`, :data:`FLOOD_BITS`).
+    and the release's flooding noise (:data:`REFRESH_VALUE_BITS`, :data:`FLOOD_BITS`);
+    ``refresh_primes`` the primes at the start of the chain kept for the refresh mask.
     """
 
     poly_modulus_degree: int
@@ -51,6 +54,7 @@ class CkksParameters:
     scale_bits: int
     refresh_value_bits: int = REFRESH_VALUE_BITS
     flood_bits: int = FLOOD_BITS
+    refresh_primes: int = REFRESH_PRIMES
 
     def __post_init__(self) -> None:
         if self.poly_modulus_degree not in MAX_MODULUS_BITS_128:
@@ -73,8 +77,8 @@ class CkksParameters:
 
     @property
     def levels_between_refreshes(self) -> int:
-        """Rescales between two masked refreshes: the first two primes stay for the mask."""
-        return len(self.coeff_mod_bit_sizes) - 3
+        """Rescales between two masked refreshes: the refresh level's primes stay for the mask."""
+        return len(self.coeff_mod_bit_sizes) - 1 - self.refresh_primes
 
     @property
     def modulus_bits(self) -> int:
@@ -117,11 +121,17 @@ class CkksParameters:
 
 # HELIX's practice (spec 000, Sec. 5.2): N = 8192, [60, 40, 40, 60], scale 2^40: depth 2.
 CKKS_8192 = CkksParameters(8192, (60, 40, 40, 60), 40)
-# The CKKS backend's default: N = 16384, a refresh level of two 60-bit primes (120 bits: room
-# for a mask of 2^117 over coefficients below 2^50), six 40-bit levels, a 60-bit special prime:
-# 420 of the 438 bits the 128-bit bound allows (a seventh level would take 460). Six rescales
-# between refreshes.
-CKKS_16384 = CkksParameters(16384, (60, 60, 40, 40, 40, 40, 40, 40, 60), 40)
+# The CKKS backend's default: N = 16384, a refresh level of three primes (60, 60, 58: 178 bits:
+# a mask of 2^175 over coefficients up to 2^60, i.e. slot values up to 2^20, keeps a run of 2^62
+# refreshed ciphertexts within 2^-40), five 40-bit levels, a 60-bit special prime: 438 bits,
+# exactly the 128-bit budget. Five rescales between refreshes.
+CKKS_16384 = CkksParameters(
+    16384,
+    (60, 60, 58, 40, 40, 40, 40, 40, 60),
+    40,
+    refresh_value_bits=20,
+    refresh_primes=3,
+)
 # The smallest set with a refresh level (N = 8192, CI and benchmarks): q0 q1 of 60 + 58 bits,
 # one 40-bit level, a 60-bit special prime: 218 bits, exactly the 128-bit budget. One rescale
 # between refreshes.

@@ -6,8 +6,8 @@ encrypts it afresh at the top level, and the server removes the mask.
 
 Protocol
 --------
-The *refresh level* is the level with the two primes ``[q0, q1]`` left (SEAL chain index 1);
-``q_ref = q0 q1``. The server
+The *refresh level* is the level with the chain's first ``k`` primes left (``k = 2``: ``[q0,
+q1]``, SEAL chain index 1; ``k = 3`` adds ``q2``); ``q_ref`` is their product. The server
 
 1. mod-switches a copy of the ciphertext down to the refresh level;
 2. adds a fresh public-key encryption of zero, so that ``c1`` no longer depends on the server's
@@ -18,7 +18,7 @@ The *refresh level* is the level with the two primes ``[q0, q1]`` left (SEAL cha
 
 The client decrypts ``x + r`` (``x = m + e``: message, computation error and the zero
 encryption's noise), lifts it exactly to an integer polynomial (centered CRT of its residues
-modulo ``q0`` and ``q1``; no wrap-around as long as ``|x| < q_ref / 2 - B``, which the range check
+modulo the refresh primes; no wrap-around as long as ``|x| < q_ref / 2 - B``, which the range check
 below guarantees for every refresh it accepts), reduces that polynomial modulo
 every data prime of the top level and encrypts it there (symmetric encryption) with the scale it
 came with. The server subtracts ``r`` (encoded at the top level with that scale) and holds a fresh
@@ -95,6 +95,7 @@ import tenseal.sealapi as sealapi
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedfm.crypto.params import FLOOD_BITS as DEFAULT_FLOOD_BITS
+from fedfm.crypto.params import REFRESH_PRIMES as DEFAULT_REFRESH_PRIMES
 from fedfm.crypto.params import REFRESH_VALUE_BITS as DEFAULT_REFRESH_VALUE_BITS
 from fedfm.crypto.seal_raw import (
     CIPHERTEXT_SIZE_MAX,
@@ -105,7 +106,7 @@ from fedfm.crypto.seal_raw import (
     SealIO,
     addmod,
     context_data,
-    crt_lift,
+    crt_lift_many,
     dumps,
     mulmod,
     parse_ciphertext,
@@ -150,7 +151,7 @@ class RefreshBound:
     mask_bits : int
         ``log2 B``: masks are uniform on ``[-B, B]``.
     refresh_modulus : int
-        ``q_ref = q0 q1``.
+        ``q_ref``, the product of the refresh level's primes.
     """
 
     degree: int
@@ -168,16 +169,16 @@ class RefreshBound:
         largest = (half - value_bound - 1) // 2
         if largest < 1:
             raise CryptoParameterError(
-                f"no room for the mask: the refresh level q0*q1 has "
+                f"no room for the mask: the refresh level's modulus q_ref has "
                 f"{refresh_modulus.bit_length()} bits, the value bound alone "
                 f"{value_bound.bit_length()}"
             )
         bits = largest.bit_length() - 1 if mask_bits is None else mask_bits
-        if not 1 <= bits or 2 * (1 << bits) + value_bound >= half:
+        if bits < 1 or 2 * (1 << bits) + value_bound >= half:
             raise CryptoParameterError(
-                f"mask_bits={bits} does not fit the refresh modulus q0*q1 of "
+                f"mask_bits={bits} does not fit the refresh modulus q_ref of "
                 f"{refresh_modulus.bit_length()} bits with a value bound of "
-                f"2^{math.log2(value_bound):.1f} (need 2B + T < q0 q1 / 2, so mask_bits <= "
+                f"2^{math.log2(value_bound):.1f} (need 2B + T < q_ref / 2, so mask_bits <= "
                 f"{largest.bit_length() - 1})"
             )
         return cls(degree, value_bound, bits, refresh_modulus)
@@ -219,14 +220,8 @@ class RefreshBound:
 
     def outside(self, lifted: MixedRadix) -> np.ndarray:
         """Mask of the lifted coefficients outside ``[-(B + T), B + T]`` (what the client
-        refuses), exactly, on the mixed-radix digits of :func:`crt_lift`."""
-        q0, q1 = lifted.q0, lifted.q1
-        top_v, top_a = divmod(self.accepted, q0)  # x <= B + T for x = a0 + q0 v >= 0
-        low_v, low_a = divmod(q0 * q1 - self.accepted, q0)  # x >= -(B + T) for x < 0
-        v, a0 = lifted.v, lifted.a0
-        inside_positive = (v < np.uint64(top_v)) | ((v == np.uint64(top_v)) & (a0 <= np.uint64(top_a)))
-        inside_negative = (v > np.uint64(low_v)) | ((v == np.uint64(low_v)) & (a0 >= np.uint64(low_a)))
-        return np.where(lifted.negative, ~inside_negative, ~inside_positive)
+        refuses), exactly, on the mixed-radix digits of the lift."""
+        return ~lifted.within(self.accepted)
 
 
 class RefreshBudget:
@@ -251,7 +246,7 @@ class RefreshBudget:
             raise CryptoParameterError(
                 f"no room for the mask: one refreshed ciphertext is within statistical distance "
                 f"2^{math.log2(bound.per_ciphertext):.1f} of the mask, above the run's budget "
-                f"2^{math.log2(budget):.0f}; use a larger refresh level q0*q1 or a smaller value "
+                f"2^{math.log2(budget):.0f}; use a larger refresh level or a smaller value "
                 "bound"
             )
         self.charged = 0
@@ -345,40 +340,53 @@ def seal_deserialize(context: ts.Context, data: bytes) -> sealapi.Ciphertext:
 
 
 class _Chain:
-    """The modulus chain of a CKKS context: top level, refresh level and their primes."""
+    """The modulus chain of a CKKS context: top level, refresh level and their primes.
 
-    def __init__(self, context: ts.Context) -> None:
+    The refresh level keeps the chain's first ``refresh_primes`` primes (2 or 3): SEAL chain
+    index ``refresh_primes - 1``.
+    """
+
+    def __init__(self, context: ts.Context, refresh_primes: int = DEFAULT_REFRESH_PRIMES) -> None:
         self.seal_context = context.seal_context().data
         top = self.seal_context.first_context_data()
         if top.parms().scheme().name != "CKKS":  # TenSEAL and sealapi bind separate enums
             raise CryptoParameterError("masked refresh needs a CKKS context")
+        if refresh_primes not in (2, 3):
+            raise CryptoParameterError(f"a refresh level has 2 or 3 primes, not {refresh_primes}")
         self.top_parms_id: ParmsId = tuple(top.parms_id())
         self.top_primes = [m.value() for m in top.parms().coeff_modulus()]
         self.degree = top.parms().poly_modulus_degree()
-        if len(self.top_primes) < 3:
+        if len(self.top_primes) <= refresh_primes:
             raise CryptoParameterError(
                 f"the modulus chain has {len(self.top_primes)} data prime(s) "
                 f"(bits {[p.bit_length() for p in self.top_primes]}): a refresh needs the refresh "
-                "level [q0, q1] strictly below the top level, i.e. at least three data primes"
+                f"level ({refresh_primes} primes) strictly below the top level, i.e. at least "
+                f"{refresh_primes + 1} data primes"
             )
+        self.refresh_index = refresh_primes - 1
+        levels = {}
         level = top
-        while level.chain_index() > 2:
+        while level is not None:
+            levels[level.chain_index()] = level
             level = level.next_context_data()
         # One level above the refresh level: encryptions of zero are made there and divided down.
-        self.above_refresh_parms_id: ParmsId = tuple(level.parms_id())
-        level = level.next_context_data()
-        self.refresh_parms_id: ParmsId = tuple(level.parms_id())
-        self.q0, self.q1 = (m.value() for m in level.parms().coeff_modulus())
-        # The lowest level (q0 alone): where released ciphertexts go.
-        self.lowest_parms_id: ParmsId = tuple(level.next_context_data().parms_id())
+        self.above_refresh_parms_id: ParmsId = tuple(levels[refresh_primes].parms_id())
+        self.refresh_parms_id: ParmsId = tuple(levels[self.refresh_index].parms_id())
+        # Level 1 (q0, q1) and the lowest (q0 alone), where released ciphertexts are made.
+        self.second_parms_id: ParmsId = tuple(levels[1].parms_id())
+        self.lowest_parms_id: ParmsId = tuple(levels[0].parms_id())
+        self.refresh_primes = [
+            m.value() for m in levels[self.refresh_index].parms().coeff_modulus()
+        ]
+        self.q0 = self.refresh_primes[0]
         # SEAL drops primes from the end, so the refresh primes lead the top level's; the mask's
-        # rows 0 and 1 rely on it.
-        if self.top_primes[:2] != [self.q0, self.q1]:
+        # first rows rely on it.
+        if self.top_primes[:refresh_primes] != self.refresh_primes:
             raise CryptoParameterError("the refresh level's primes do not lead the top level's")
-        self.refresh_modulus = self.q0 * self.q1
+        self.refresh_modulus = math.prod(self.refresh_primes)
 
     def level_of(self, ciphertext: Ciphertext) -> int:
-        """SEAL chain index of ``ciphertext`` (top = primes - 1, refresh = 1, ``[q0]`` = 0)."""
+        """SEAL chain index of ``ciphertext`` (top = primes - 1, ``[q0]`` = 0)."""
         return context_data(self.seal_context, ciphertext.parms_id()).chain_index()
 
     def describe(self, level: int) -> str:
@@ -400,38 +408,37 @@ def sample_uniform_mask(
     with coefficients uniform in ``[-B, B]``, ``B = 2^mask_bits``, from ``random_bytes``.
 
     ``u = r + B`` is uniform on the ``2B + 1 = 2^(b+1) + 1`` integers ``[0, 2^(b+1)]``:
-    rejection sampling of ``b + 2``-bit words (two ``uint64`` limbs ``hi, lo``), keeping those
-    whose top bit is clear or that equal ``2^(b+1)`` (acceptance just over 1/2). Exact: no
-    modular bias, every candidate is used or discarded whole.
+    rejection sampling of ``b + 2``-bit words (``uint64`` limbs, most significant first),
+    keeping those whose top bit is clear or that equal ``2^(b+1)`` (acceptance just over 1/2).
+    Exact: no modular bias, every candidate is used or discarded whole.
     """
-    if not 1 <= mask_bits <= 126:
-        raise CryptoParameterError(f"mask_bits must be in [1, 126], got {mask_bits}")
+    if not 1 <= mask_bits <= 250:
+        raise CryptoParameterError(f"mask_bits must be in [1, 250], got {mask_bits}")
     width = mask_bits + 2
-    his, los, have = [], [], 0
+    limbs = -(-width // 64)
+    top_width = width - 64 * (limbs - 1)  # bits in the most significant limb
+    kept: list[np.ndarray] = []
+    have = 0
     while have < degree:
         count = 2 * (degree - have) + 64
-        words = np.frombuffer(random_bytes(16 * count), dtype="<u8").astype(np.uint64)
-        hi, lo = words[:count], words[count:]
-        if width <= 64:
-            hi = np.zeros_like(lo)
-            lo = lo >> np.uint64(64 - width)
-            top = lo >> np.uint64(width - 1)
-            rest_zero = (lo & np.uint64((1 << (width - 1)) - 1)) == 0
-        else:
-            hi = hi >> np.uint64(128 - width)
-            top = hi >> np.uint64(width - 65)
-            rest_zero = ((hi & np.uint64((1 << (width - 65)) - 1)) == 0) & (lo == 0)
+        words = np.frombuffer(random_bytes(8 * limbs * count), dtype="<u8").astype(np.uint64)
+        words = words.reshape(limbs, count)
+        words[0] >>= np.uint64(64 - top_width)
+        top = words[0] >> np.uint64(top_width - 1)
+        rest_zero = (words[0] & np.uint64((1 << (top_width - 1)) - 1)) == 0
+        for limb in words[1:]:
+            rest_zero &= limb == 0
         keep = (top == 0) | rest_zero
-        his.append(hi[keep])
-        los.append(lo[keep])
+        kept.append(words[:, keep])
         have += int(keep.sum())
-    hi = np.concatenate(his)[:degree]
-    lo = np.concatenate(los)[:degree]
-    limbs = []
+    chosen = np.concatenate(kept, axis=1)[:, :degree]
+    out = []
     for p in primes:
-        u = addmod(mulmod(hi % np.uint64(p), _WORD % p, p), lo % np.uint64(p), p)
-        limbs.append(submod(u, np.full_like(u, (1 << mask_bits) % p), p))
-    return np.stack(limbs)
+        u = chosen[0] % np.uint64(p)
+        for limb in chosen[1:]:
+            u = addmod(mulmod(u, _WORD % p, p), limb % np.uint64(p), p)
+        out.append(submod(u, np.full_like(u, (1 << mask_bits) % p), p))
+    return np.stack(out)
 
 
 def secure_random_bytes(count: int) -> bytes:
@@ -549,7 +556,9 @@ class RefreshServer(_OnChain):
     flood_bits : int
         ``log2`` of the standard deviation of the noise :meth:`release_many` floods with.
     mask_bits : int, optional
-        ``log2 B``; default the largest with ``2B + T < q0 q1 / 2``.
+        ``log2 B``; default the largest with ``2B + T < q_ref / 2``.
+    refresh_primes : int
+        Primes of the refresh level (2 or 3), as in the parameter set.
     budget : float
         The run's statistical-distance allowance for all its refreshes (:class:`RefreshBudget`).
     rng : numpy.random.Generator, optional
@@ -567,6 +576,7 @@ class RefreshServer(_OnChain):
         *,
         value_bits: int = DEFAULT_REFRESH_VALUE_BITS,
         flood_bits: int = DEFAULT_FLOOD_BITS,
+        refresh_primes: int = DEFAULT_REFRESH_PRIMES,
         mask_bits: int | None = None,
         budget: float = RUN_DISTANCE_BUDGET,
         rng: np.random.Generator | None = None,
@@ -578,7 +588,7 @@ class RefreshServer(_OnChain):
             )
         if not context.has_public_key():
             raise CryptoParameterError("the server's context lacks the public key")
-        self._chain = _Chain(context)
+        self._chain = _Chain(context, refresh_primes)
         self.bound = refresh_bound(context, self._chain, value_bits, mask_bits)
         self.budget = RefreshBudget(self.bound, budget)
         if not 0 <= flood_bits <= 50:
@@ -590,17 +600,19 @@ class RefreshServer(_OnChain):
         seal_context = self._chain.seal_context
         self._evaluator = sealapi.Evaluator(seal_context)
         self._io = SealIO(seal_context)
-        # The public key's residues modulo q0, q1, q2 (its first rows: SEAL's key level holds the
-        # data primes in chain order, then the special prime) are the public key of the level
-        # above the refresh level, where encryptions of zero are made directly; its rows modulo
-        # q0, q1 the refresh level's, where the encryptions of zero of a release are made.
+        # The public key's residues modulo the first k + 1 primes (its first rows: SEAL's key
+        # level holds the data primes in chain order, then the special prime) are the public key
+        # of the level above the refresh level (k primes), where encryptions of zero are made
+        # directly; its rows modulo q0, q1 that of level 1, where a release's are made.
         key = parse_ciphertext(seal_bytes(context.public_key().data.data()))
+        above = refresh_primes + 1
         self._public_key = self._io.write_ciphertext(
-            RawCiphertext(self._chain.above_refresh_parms_id, True, 1.0, key.data[:, :3])
+            RawCiphertext(self._chain.above_refresh_parms_id, True, 1.0, key.data[:, :above])
         )
         self._public_key_low = self._io.write_ciphertext(
-            RawCiphertext(self._chain.refresh_parms_id, True, 1.0, key.data[:, :2])
+            RawCiphertext(self._chain.second_parms_id, True, 1.0, key.data[:, :2])
         )
+        self._refresh_primes = refresh_primes
         self.public_context_bytes = context.serialize(
             save_public_key=True,
             save_secret_key=False,
@@ -615,6 +627,16 @@ class RefreshServer(_OnChain):
     def mask_bits(self) -> int:
         """``log2 B``: mask coefficients are uniform in ``[-B, B]``."""
         return self.bound.mask_bits
+
+    @property
+    def refresh_primes(self) -> int:
+        """Primes of the refresh level."""
+        return self._refresh_primes
+
+    @property
+    def refresh_index(self) -> int:
+        """SEAL chain index of the refresh level (``refresh_primes - 1``)."""
+        return self._chain.refresh_index
 
     @property
     def value_bits(self) -> int:
@@ -645,16 +667,17 @@ class RefreshServer(_OnChain):
         # One batch of NTTs at the top level serves every level: lower levels' primes lead the
         # top level's, and SEAL's transform of a residue row depends only on its prime.
         r, u, e1 = self._io.to_ntt(chain.top_parms_id, polys)
-        above = chain.above_refresh_parms_id
-        u_plain = self._io.write_plaintext(RawPlaintext(above, 1.0, u[:3]))
+        above, k = chain.above_refresh_parms_id, self._refresh_primes
+        u_plain = self._io.write_plaintext(RawPlaintext(above, 1.0, u[: k + 1]))
         offset = sealapi.Ciphertext(chain.seal_context)
         self._evaluator.multiply_plain(self._public_key, u_plain, offset)
-        error = RawCiphertext(above, True, 1.0, np.stack([np.zeros_like(e1[:3]), e1[:3]]))
+        rows = e1[: k + 1]
+        error = RawCiphertext(above, True, 1.0, np.stack([np.zeros_like(rows), rows]))
         self._evaluator.add_inplace(offset, self._io.write_ciphertext(error))
-        offset.scale = float(chain.top_primes[2])  # the division leaves scale 1
+        offset.scale = float(chain.top_primes[k])  # the division leaves scale 1
         self._evaluator.rescale_to_next_inplace(offset)
         offset.scale = 1.0
-        self._io.add_ntt_inplace(offset, r[:2])
+        self._io.add_ntt_inplace(offset, r[:k])
         negated = np.stack(
             [submod(np.zeros_like(row), row, p) for row, p in zip(r, chain.top_primes, strict=True)]
         )
@@ -695,10 +718,11 @@ class RefreshServer(_OnChain):
         chain = self._chain
         chain.check_shape(ciphertext, "a ciphertext to refresh")
         level = chain.level_of(ciphertext)
-        if level < 1:
+        if level < chain.refresh_index:
             raise ProtocolError(
                 f"ciphertext at {chain.describe(level)} is below the refresh level "
-                f"({chain.describe(1)}): it has no room for the mask; refresh before it gets there"
+                f"({chain.describe(chain.refresh_index)}): it has no room for the mask; refresh "
+                "before it gets there"
             )
         material = material or self.prepare()
         masked = sealapi.Ciphertext(chain.seal_context)
@@ -721,13 +745,15 @@ class RefreshServer(_OnChain):
         which hides how the server computed the value below that noise.
         """
         chain, degree = self._chain, self._chain.degree
-        lowest, low = chain.lowest_parms_id, chain.refresh_parms_id
+        lowest, low = chain.lowest_parms_id, chain.second_parms_id
         q0 = chain.top_primes[0]
         out = []
         for ciphertext in ciphertexts:
             chain.check_shape(ciphertext, "a ciphertext to release")
             if chain.level_of(ciphertext) < 1:
-                raise ProtocolError("a released ciphertext must come from the refresh level or above")
+                raise ProtocolError(
+                    "a released ciphertext must come from the refresh level or above"
+                )
             small = [
                 sample_ternary(degree, self._random_bytes),
                 sample_centered_binomial(degree, ZERO_NOISE_ETA, self._random_bytes),
@@ -744,7 +770,9 @@ class RefreshServer(_OnChain):
             self._evaluator.rescale_to_next_inplace(zero)
             if self.flood_bits:
                 flood = sample_rounded_gaussian(degree, 2.0**self.flood_bits, self._random_bytes)
-                self._io.add_ntt_inplace(zero, self._io.to_ntt(lowest, _residues(flood, [q0])[None])[0])
+                self._io.add_ntt_inplace(
+                    zero, self._io.to_ntt(lowest, _residues(flood, [q0])[None])[0]
+                )
             released = sealapi.Ciphertext(chain.seal_context)
             self._evaluator.mod_switch_to(ciphertext, list(lowest), released)
             zero.scale = released.scale
@@ -824,6 +852,7 @@ class _MaskSupply:
                         self._public,
                         self._server.mask_bits,
                         self._server.value_bits,
+                        self._server.refresh_primes,
                         self._chunk,
                     )
                 )
@@ -868,11 +897,15 @@ class RefreshClient(_OnChain):
     """
 
     def __init__(
-        self, context: ts.Context, *, value_bits: int = DEFAULT_REFRESH_VALUE_BITS
+        self,
+        context: ts.Context,
+        *,
+        value_bits: int = DEFAULT_REFRESH_VALUE_BITS,
+        refresh_primes: int = DEFAULT_REFRESH_PRIMES,
     ) -> None:
         if not context.is_private():
             raise CryptoParameterError("the refresh client needs the context with the secret key")
-        self._chain = _Chain(context)
+        self._chain = _Chain(context, refresh_primes)
         # The same bound as the server's (both derive it from the parameter set): what the
         # client accepts, see the module notes on detection.
         self.bound = refresh_bound(context, self._chain, value_bits)
@@ -893,10 +926,10 @@ class RefreshClient(_OnChain):
         chain = self._chain
         chain.check_shape(ciphertext, "a masked ciphertext")
         level = chain.level_of(ciphertext)
-        if level != 1:
+        if level != chain.refresh_index:
             raise ProtocolError(
                 f"refusing to refresh a ciphertext at {chain.describe(level)}: only ciphertexts "
-                f"at the refresh level ({chain.describe(1)}) are masked"
+                f"at the refresh level ({chain.describe(chain.refresh_index)}) are masked"
             )
         return ciphertext
 
@@ -908,7 +941,8 @@ class RefreshClient(_OnChain):
             self._decryptor.decrypt(ciphertext, plain)
             raws.append(self._io.read_plaintext(plain).data)
         coeffs = self._io.from_ntt(self._chain.refresh_parms_id, np.stack(raws))
-        return crt_lift(coeffs[:, 0], coeffs[:, 1], self._chain.q0, self._chain.q1)
+        primes = self._chain.refresh_primes
+        return crt_lift_many([coeffs[:, j] for j in range(len(primes))], primes)
 
     def observe(self, masked: MaskedCiphertext | Ciphertext) -> np.ndarray:
         """The centered integer coefficients the client decrypts (object array of ``int``)."""
@@ -987,18 +1021,24 @@ def observe_masked(client: RefreshClient, masked: MaskedCiphertext | Ciphertext)
 _LOADED: OrderedDict[tuple[str, bytes, int], Any] = OrderedDict()
 
 
-def _loaded(role: str, context_bytes: bytes, value_bits: int, mask_bits: int = 0) -> Any:
+def _loaded(
+    role: str, context_bytes: bytes, value_bits: int, refresh_primes: int, mask_bits: int = 0
+) -> Any:
     """``(io, refresher)`` for a context, built once per worker and kept while recently used."""
-    key = (role, hashlib.sha256(context_bytes).digest(), value_bits, mask_bits)
+    key = (role, hashlib.sha256(context_bytes).digest(), value_bits, refresh_primes, mask_bits)
     if key in _LOADED:
         _LOADED.move_to_end(key)
         return _LOADED[key]
     context = ts.context_from(context_bytes)
     io = SealIO(context.seal_context().data)
     if role == "client":
-        refresher: Any = RefreshClient(context, value_bits=value_bits)
+        refresher: Any = RefreshClient(
+            context, value_bits=value_bits, refresh_primes=refresh_primes
+        )
     else:
-        refresher = RefreshServer(context, value_bits=value_bits, mask_bits=mask_bits)
+        refresher = RefreshServer(
+            context, value_bits=value_bits, refresh_primes=refresh_primes, mask_bits=mask_bits
+        )
     _LOADED[key] = (io, refresher)
     while len(_LOADED) > CONTEXTS_PER_WORKER:
         _LOADED.popitem(last=False)
@@ -1006,18 +1046,21 @@ def _loaded(role: str, context_bytes: bytes, value_bits: int, mask_bits: int = 0
 
 
 def refresh_blobs(
-    context_bytes: bytes, blobs: Sequence[bytes], value_bits: int = DEFAULT_REFRESH_VALUE_BITS
+    context_bytes: bytes,
+    blobs: Sequence[bytes],
+    value_bits: int = DEFAULT_REFRESH_VALUE_BITS,
+    refresh_primes: int = DEFAULT_REFRESH_PRIMES,
 ) -> list[bytes]:
     """In a worker: masked ciphertexts -> fresh ones (wire forms, :func:`seal_raw.dumps`),
     refused as :meth:`RefreshClient.refresh_many` refuses."""
-    io, client = _loaded("client", context_bytes, value_bits)
+    io, client = _loaded("client", context_bytes, value_bits, refresh_primes)
     fresh = client.refresh_many([io.load_ciphertext(blob) for blob in blobs])
     return [dumps(ct) for ct in fresh]
 
 
 def mask_material_blobs(
-    context_bytes: bytes, mask_bits: int, value_bits: int, count: int
+    context_bytes: bytes, mask_bits: int, value_bits: int, refresh_primes: int, count: int
 ) -> list[tuple[bytes, bytes]]:
     """In a worker: ``count`` pieces of mask material as bytes (:meth:`MaskMaterial.to_bytes`)."""
-    _, server = _loaded("server", context_bytes, value_bits, mask_bits)
+    _, server = _loaded("server", context_bytes, value_bits, refresh_primes, mask_bits)
     return [server.prepare().to_bytes() for _ in range(count)]

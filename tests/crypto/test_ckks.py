@@ -69,8 +69,11 @@ def test_backend_is_registered_and_parameters_are_checked() -> None:
         registered = BACKENDS[name]()
         assert isinstance(registered, CkksBackend) and registered.params == params
         assert registered.name == name
-    assert CKKS_16384.modulus_bits == 438 and CKKS_16384.secure_128
-    assert CKKS_16384.levels_between_refreshes == 7
+    # refresh levels of 120 and 118 bits (room for the run's budget), within 128-bit security
+    assert CKKS_16384.modulus_bits == 420 and CKKS_16384.secure_128
+    assert CKKS_16384.levels_between_refreshes == 6
+    assert CKKS_8192_REFRESH.modulus_bits == 218 and CKKS_8192_REFRESH.secure_128
+    assert sum(CKKS_8192_REFRESH.coeff_mod_bit_sizes[:2]) == 118
     with pytest.raises(ConfigError, match="unknown crypto backend"):
         DoubleBlindConfig(backend="ckk")
     with pytest.raises(CryptoParameterError, match="below 128-bit security"):
@@ -236,10 +239,13 @@ def test_block_client_sees_only_masked_values(
             smallest.append(np.abs(client.observe(item).astype(float)).max())
         return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
 
+    charged = refresher.budget.charged
     drive(evaluator.evaluate_block(model, 0, batch), refresh)
     assert smallest and min(smallest) > 2.0 ** (refresher.mask_bits - 2)
-    # values of a few hundred at scale 2^40 stay hidden to 2^-40 per coefficient
-    assert refresher.statistical_distance_bound(1024.0, 2.0**40) <= 2.0**-40
+    assert max(smallest) <= refresher.bound.accepted  # the client accepted every one
+    # every refreshed ciphertext was charged to the run's budget, which stays within 2^-40
+    assert refresher.budget.charged - charged == len(smallest)
+    assert refresher.budget.spent <= 2.0**-40
 
 
 def test_encrypted_loss_matches_simulate(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:

@@ -11,7 +11,7 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 from scipy import stats
 
-from fedfm.crypto import seal_memory, seal_raw
+from fedfm.crypto import CKKS_16384, seal_memory, seal_raw
 from fedfm.crypto.refresh import (
     FRESH_NOISE_PER_DEGREE,
     RUN_DISTANCE_BUDGET,
@@ -35,6 +35,7 @@ from fedfm.crypto.seal_raw import (
     RawCiphertext,
     SealIO,
     crt_lift,
+    crt_lift_many,
     dumps,
     mulmod,
     primes_of,
@@ -275,6 +276,28 @@ def test_mask_sampler_is_uniform_on_the_closed_interval():
         drawn = lifted.to_float() / 2.0**bits
         assert np.abs(drawn).max() <= 1.0 and drawn.max() > 0.99 and drawn.min() < -0.99
         assert np.array_equal(lifted.residues([1099511480321])[0], limbs[2])
+    # three limbs, lifted over three primes (the 178-bit refresh level)
+    primes = [1152921504606584833, 1152921504606748673, 288230376151388161]  # 178 bits
+    limbs = sample_uniform_mask(4096, 175, [*primes, 97], rng.bytes)
+    lifted = crt_lift_many(limbs[:3], primes)
+    drawn = np.array([float(x) for x in lifted.to_int()]) / 2.0**175
+    assert np.abs(drawn).max() <= 1.0 and drawn.max() > 0.99 and drawn.min() < -0.99
+    assert abs(drawn.mean()) < 0.05 and drawn.std() == pytest.approx(1 / np.sqrt(3), rel=0.05)
+    assert np.array_equal(lifted.residues([97])[0], limbs[3])
+
+
+def test_crt_lift_many_and_its_range_test_match_python_integers():
+    primes = [1152921504606584833, 1152921504606748673, 288230376151388161]
+    modulus = math.prod(primes)
+    rng = random.Random(5)
+    values = [rng.randrange(-(modulus // 2), modulus // 2) for _ in range(500)]
+    values += [modulus // 2, -(modulus // 2) + 1, 0, 1, -1, 2**116 + 5, -(2**116) - 5, 2**116]
+    residues = [np.array([v % p for v in values], dtype=np.uint64) for p in primes]
+    lifted = crt_lift_many(residues, primes)
+    assert list(lifted.to_int()) == values
+    assert list(lifted.residues([97])[0]) == [v % 97 for v in values]
+    for bound in (0, 5, 2**116, 2**116 + 4, modulus // 2 - 1):
+        assert list(lifted.within(bound)) == [abs(v) <= bound for v in values]
 
 
 # --- the protocol --------------------------------------------------------------------------
@@ -385,20 +408,30 @@ def test_server_needs_only_the_public_key(keys, server):
 
 
 def test_deep_chain_at_16384():
-    private, public = _contexts(16384, DEEP)
-    server, client = RefreshServer(public), RefreshClient(private)
-    assert server.mask_bits == 117  # q0 q1 has 120 bits: 2B + T < q0 q1 / 2
-    assert server.bound == client.bound
-    assert server.bound.per_ciphertext == pytest.approx(16384 * server.bound.per_coefficient)
-    values = np.random.default_rng(2).uniform(-300, 300, 8192)
-    ciphertext = _encrypt(private, values)
-    for _ in range(6):  # spend every level above the refresh level
-        ciphertext = _times(public, ciphertext, 1.0)
-    assert tuple(ciphertext.parms_id()) == server.refresh_parms_id
-    masked, mask = server.mask(ciphertext)
-    result = server.unmask(client.refresh(masked), mask)
-    assert _level(public, result) == 7
-    assert np.abs(_decrypt(private, result, 8192) - values).max() < 1e-6
+    """Two refresh levels at N = 16384: two primes (120 bits, six levels between refreshes) and
+    the backend's three (178 bits, five levels): the mask, lift and range check work on both."""
+    for bits, primes, mask_bits, levels in (
+        (DEEP, 2, 117, 6),
+        (CKKS_16384.coeff_mod_bit_sizes, 3, 175, 5),
+    ):
+        private, public = _contexts(16384, bits)
+        server = RefreshServer(public, refresh_primes=primes)
+        client = RefreshClient(private, refresh_primes=primes)
+        assert server.mask_bits == mask_bits  # 2B + T < q_ref / 2
+        assert server.bound == client.bound and server.refresh_index == primes - 1
+        assert server.bound.per_ciphertext == pytest.approx(16384 * server.bound.per_coefficient)
+        values = np.random.default_rng(2).uniform(-300, 300, 8192)
+        ciphertext = _encrypt(private, values)
+        for _ in range(levels):  # spend every level above the refresh level
+            ciphertext = _times(public, ciphertext, 1.0)
+        assert tuple(ciphertext.parms_id()) == server.refresh_parms_id
+        masked, mask = server.mask(ciphertext)
+        view = np.asarray(client.observe(masked), dtype=object)
+        assert max(abs(int(x)) for x in view) > 2 ** (mask_bits - 1)  # the mask's full width
+        result = server.unmask(client.refresh(masked), mask)
+        assert _level(public, result) == levels + primes - 1
+        assert np.abs(_decrypt(private, result, 8192) - values).max() < 1e-6
+    assert RefreshServer(public, refresh_primes=3, value_bits=20).bound.rated_ciphertexts() >= 2**62
 
 
 def test_client_view_is_statistically_independent_of_the_message(keys, client):
@@ -475,7 +508,7 @@ def test_unrelinearised_ciphertext_and_garbage_bytes_are_refused(keys, server):
 @pytest.mark.parametrize(
     ("bits", "options", "message"),
     [
-        ((60, 40, 60), {}, "at least three data primes"),
+        ((60, 40, 60), {}, "at least 3 data primes"),
         ((30, 20, 40, 60), {}, "no room for the mask"),
         # the chain before the per-run budget: one ciphertext alone is 2^-33 from the mask
         ((58, 40, 40, 60), {}, "no room for the mask"),
@@ -526,7 +559,9 @@ def test_bound_and_accountant_arithmetic(server, client):
     budget = RefreshBudget(bound, budget=3.5 * bound.per_ciphertext)
     assert budget.rated == 3
     budget.charge(2)
-    with pytest.raises(CryptoParameterError, match=r"budget exhausted: .* 2 refreshed .* rated for 3"):
+    with pytest.raises(
+        CryptoParameterError, match=r"budget exhausted: .* 2 refreshed .* rated for 3"
+    ):
         budget.charge(2)
     assert budget.charged == 2 and budget.remaining == 1  # a refused charge changes nothing
     budget.charge(1)
@@ -567,7 +602,7 @@ def test_key_holder_refuses_exactly_the_views_outside_b_plus_t(keys):
             return view, str(error)
         return view, None
 
-    within = 2.0 ** server.value_bits / 2  # inside the calibration: never refused
+    within = 2.0**server.value_bits / 2  # inside the calibration: never refused
     view, error = refresh_constant(within, client)
     assert error is None and max(abs(int(x)) for x in view) <= bound.accepted
     # beyond 2B + T (at scale 2^40: slot values of 2^76): refused with certainty
