@@ -549,6 +549,7 @@ class CkksEvaluator(Evaluator):
             value_bits=params.refresh_value_bits,
             flood_bits=params.flood_bits,
             refresh_primes=params.refresh_primes,
+            budget=2.0**-params.run_budget_bits,
             workers=workers,
         )
         self.circuit = Circuit(context, refresher)

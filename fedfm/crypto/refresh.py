@@ -97,6 +97,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from fedfm.crypto.params import FLOOD_BITS as DEFAULT_FLOOD_BITS
 from fedfm.crypto.params import REFRESH_PRIMES as DEFAULT_REFRESH_PRIMES
 from fedfm.crypto.params import REFRESH_VALUE_BITS as DEFAULT_REFRESH_VALUE_BITS
+from fedfm.crypto.params import RUN_BUDGET_BITS
 from fedfm.crypto.seal_raw import (
     CIPHERTEXT_SIZE_MAX,
     MixedRadix,
@@ -120,8 +121,9 @@ from fedfm.errors import CryptoParameterError, InvariantError, ProtocolError
 _LOG = logging.getLogger(__name__)
 
 # The statistical distance of a key holder's view of all masked refreshes of one run (one
-# evaluator, i.e. one data owner's key) from masks alone, at most: what RefreshBudget enforces.
-RUN_DISTANCE_BUDGET = 2.0**-40
+# evaluator, i.e. one data owner's key) from masks alone, at most: what RefreshBudget enforces
+# by default (a parameter set may state its own: CkksParameters.run_budget_bits).
+RUN_DISTANCE_BUDGET = 2.0**-RUN_BUDGET_BITS
 # Errors of the encryption of zero: centered binomial with this parameter (variance 10.5, the
 # standard deviation 3.2 of SEAL's errors; |e| <= 21).
 ZERO_NOISE_ETA = 21
@@ -206,7 +208,7 @@ class RefreshBound:
         """Statistical distance bound of a run of ``ciphertexts`` refreshed ciphertexts."""
         return ciphertexts * self.per_ciphertext
 
-    def describe(self) -> dict[str, float | int]:
+    def describe(self, budget: float = RUN_DISTANCE_BUDGET) -> dict[str, float | int]:
         """The numbers a benchmark records (log2 of the distances)."""
         return {
             "mask_bits": self.mask_bits,
@@ -214,8 +216,8 @@ class RefreshBound:
             "value_bound_bits": math.log2(self.value_bound),
             "log2_distance_per_coefficient": math.log2(self.per_coefficient),
             "log2_distance_per_ciphertext": math.log2(self.per_ciphertext),
-            "log2_run_budget": math.log2(RUN_DISTANCE_BUDGET),
-            "rated_refreshed_ciphertexts": self.rated_ciphertexts(),
+            "log2_run_budget": math.log2(budget),
+            "rated_refreshed_ciphertexts": self.rated_ciphertexts(budget),
         }
 
     def outside(self, lifted: MixedRadix) -> np.ndarray:
@@ -943,6 +945,15 @@ class RefreshClient(_OnChain):
         coeffs = self._io.from_ntt(self._chain.refresh_parms_id, np.stack(raws))
         primes = self._chain.refresh_primes
         return crt_lift_many([coeffs[:, j] for j in range(len(primes))], primes)
+
+    def unmasked(self, ciphertext: Ciphertext) -> np.ndarray:
+        """Test and calibration hook: the centered coefficients (``float64``) of ``ciphertext``
+        switched to the refresh level, i.e. the ``x`` a mask would hide (for any ciphertext at
+        or above the refresh level)."""
+        chain = self._chain
+        lowered = sealapi.Ciphertext(chain.seal_context)
+        self._evaluator.mod_switch_to(ciphertext, list(chain.refresh_parms_id), lowered)
+        return self._lift([lowered]).to_float()[0]
 
     def observe(self, masked: MaskedCiphertext | Ciphertext) -> np.ndarray:
         """The centered integer coefficients the client decrypts (object array of ``int``)."""

@@ -205,9 +205,10 @@ def _refresh_budget(
     """The masked refreshes' statistical-distance budget (per run, ``2^-40``) and what it means
     for this block: the bound of one block and how many such blocks a run is rated for."""
     per_block = headline["refreshed_ciphertexts"]
-    rated = bound.rated_ciphertexts()
+    budget = 2.0**-params.run_budget_bits
+    rated = bound.rated_ciphertexts(budget)
     return {
-        **bound.describe(),
+        **bound.describe(budget),
         "refresh_primes": params.refresh_primes,
         "value_bits": params.refresh_value_bits,
         "refreshed_ciphertexts_per_block": per_block,
@@ -219,6 +220,46 @@ def _refresh_budget(
         ),
         "log2_run_bound_at_rated_length": math.log2(bound.run_bound(rated)),
     }
+
+
+def measure_refresh_values(
+    model: FheViT, backend: CkksBackend, images: torch.Tensor, *, log: Callable[[str], None]
+) -> dict[str, float]:
+    """Calibration of the refresh's value bound: every block on ``images`` (the data owner
+    re-encrypting the released outputs between blocks), each ciphertext the server is about to
+    mask decrypted first (only a harness holding both parties can), and the largest unmasked
+    coefficient per refresh place (``block3/exp``, ...) as ``log2(max |x| / scale)``, the maximum
+    over the blocks under ``block*/<place>``. Untimed: the decryptions cost more than the block."""
+    geometry = model_geometry(model)
+    owner = backend.create_key_owner(geometry=geometry)
+    evaluator = backend.create_evaluator(owner.public_context(), geometry)
+    refresher, client = evaluator.circuit.refresher, owner._refresher
+    largest: list[float] = []
+    mask_many = refresher.mask_many
+
+    def spy(ciphertexts: Sequence[Any]) -> Any:
+        pairs = mask_many(ciphertexts)
+        # the masked view minus nothing: decrypt the unmasked ciphertext at the refresh level
+        largest.append(max(float(np.abs(client.unmasked(ct)).max()) for ct in ciphertexts))
+        return pairs
+
+    refresher.mask_many = spy  # type: ignore[method-assign]
+
+    def refresh(items: list[Any]) -> list[Any]:
+        return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
+
+    batch = drive(evaluator.embed(model, owner.encrypt(images.numpy())), refresh)
+    for index in range(model.num_blocks):
+        output = drive(evaluator.evaluate_block(model, index, batch), refresh)
+        batch = evaluator.load(owner.encrypt(owner.decrypt(evaluator.release(output))).to_payload())
+        log(f"[fedfm] bench-ckks calibration: block {index + 1} done")
+    scale = math.log2(evaluator.circuit.scale)
+    places: dict[str, float] = {}
+    for place, value in zip(evaluator.circuit.stats.places, largest, strict=True):
+        name = place.rsplit(":", 1)[0]
+        name = "block*/" + name.split("/", 1)[1] if name.startswith("block") else name
+        places[name] = max(places.get(name, -math.inf), math.log2(max(value, 1.0)) - scale)
+    return places
 
 
 def measure_forward(
@@ -265,6 +306,7 @@ def run_ckks_benchmark(
     batch_sizes: Sequence[int] = (16, 64, 256),
     block: int = 0,
     forward_batch: int = 0,
+    calibrate: bool = False,
     repeats: int = 1,
     results_dir: Path = Path("results"),
     log: Callable[[str], None] = print,
@@ -312,6 +354,11 @@ def run_ckks_benchmark(
     bound = rows[0].pop("refresh_bound_object")
     for row in rows[1:]:
         row.pop("refresh_bound_object")
+    calibration = (
+        measure_refresh_values(model, backend, splits.test.images[: batch_sizes[0]], log=log)
+        if calibrate
+        else None
+    )
     by_batch = {row["batch_size"]: row for row in rows}
     headline = by_batch.get(64, rows[-1])
     params = backend.params
@@ -387,6 +434,9 @@ def run_ckks_benchmark(
                 row["batch_size"]: row["server_seconds_by_operation"] for row in rows
             },
             "refresh_budget": _refresh_budget(params, bound, headline),
+            # log2(largest unmasked coefficient / scale) per refresh place, over every block
+            # (--calibrate; the refresh's value bound is 2^value_bits)
+            "refresh_calibration": calibration,
             "circuit_privacy": {
                 "flood_bits": params.flood_bits,
                 # standard deviation of the flood in a decoded slot: sigma sqrt(N / 2) / scale

@@ -17,11 +17,15 @@ import math
 import numpy as np
 import pytest
 import tenseal as ts
+import torch
 
 from fedfm.crypto import CKKS_8192_REFRESH, ModelGeometry, run_locally
+from fedfm.crypto.backend import drive
 from fedfm.crypto.ckks import CkksBackend, CkksBatch, CkksEvaluator, CkksKeyOwner
 from fedfm.crypto.seal_raw import read_ciphertext
+from fedfm.crypto.simulate import SimulateBackend
 from fedfm.errors import CryptoParameterError
+from tests.helpers import tiny_fhe_vit
 
 pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
 
@@ -178,3 +182,40 @@ def test_every_computed_batch_is_released_when_serialized(owner, server, upload)
 def test_flood_parameters_are_checked(owner):
     with pytest.raises(CryptoParameterError, match="flood_bits"):
         _evaluator(owner, flood_bits=60)
+
+
+@pytest.mark.slow
+def test_released_blocks_match_simulate_within_the_flood(owner) -> None:
+    """The precision the flood costs, against the simulate backend: two blocks of the tiny ViT
+    with the client decrypting the released outputs and re-encrypting between them (as in the
+    protocol) stay within six flood standard deviations plus CKKS's own 1e-4 of the range, and
+    the head predicts the same classes."""
+    model, images = tiny_fhe_vit()
+    count = 8
+    geometry = ModelGeometry(tokens=5, patch_size=4)
+    key = CkksBackend(CKKS_8192_REFRESH).create_key_owner(geometry=geometry)
+    server = CkksBackend(CKKS_8192_REFRESH).create_evaluator(key.public_context(), geometry)
+    simulate = SimulateBackend()
+    plain_key = simulate.create_key_owner(seed=0)
+    plain = simulate.create_evaluator(plain_key.public_context())
+    flood = 2.0**CKKS_8192_REFRESH.flood_bits * math.sqrt(8192 / 2) / 2.0**40
+    with torch.no_grad():
+        hidden = model.embed(images[:count]).numpy()
+    expected = hidden
+    for index in range(model.num_blocks):
+        expected = plain_key.decrypt(
+            drive(plain.evaluate_block(model, index, plain_key.encrypt(expected)), lambda _: [])
+        )
+        out = run_locally(
+            server.evaluate_block(model, index, server.load(key.encrypt(hidden).to_payload())),
+            server,
+            key,
+        )
+        hidden = key.decrypt(key.load(out.to_payload()))  # released, as the protocol sends it
+        span = float(np.abs(expected).max())
+        assert np.abs(hidden - expected).max() <= 6 * flood + 1e-4 * span
+        assert np.abs(hidden - key.decrypt(out)).max() > 0  # the flood is there
+    with torch.no_grad():
+        got = model.head(torch.from_numpy(hidden)).argmax(dim=1)
+        want = model.head(torch.from_numpy(expected)).argmax(dim=1)
+    assert torch.equal(got, want)

@@ -69,11 +69,13 @@ def test_backend_is_registered_and_parameters_are_checked() -> None:
         registered = BACKENDS[name]()
         assert isinstance(registered, CkksBackend) and registered.params == params
         assert registered.name == name
-    # refresh levels of 120 and 118 bits (room for the run's budget), within 128-bit security
-    assert CKKS_16384.modulus_bits == 420 and CKKS_16384.secure_128
-    assert CKKS_16384.levels_between_refreshes == 6
+    # refresh levels of 178 and 118 bits (room for the run's budget), within 128-bit security
+    assert CKKS_16384.modulus_bits == 438 and CKKS_16384.secure_128
+    assert CKKS_16384.refresh_primes == 3 and CKKS_16384.levels_between_refreshes == 5
+    assert sum(CKKS_16384.coeff_mod_bit_sizes[:3]) == 178 and CKKS_16384.run_budget_bits == 40
     assert CKKS_8192_REFRESH.modulus_bits == 218 and CKKS_8192_REFRESH.secure_128
     assert sum(CKKS_8192_REFRESH.coeff_mod_bit_sizes[:2]) == 118
+    assert CKKS_8192_REFRESH.run_budget_bits == 30  # N = 8192 has no room for 2^-40 per run
     with pytest.raises(ConfigError, match="unknown crypto backend"):
         DoubleBlindConfig(backend="ckk")
     with pytest.raises(CryptoParameterError, match="below 128-bit security"):
@@ -243,9 +245,9 @@ def test_block_client_sees_only_masked_values(
     drive(evaluator.evaluate_block(model, 0, batch), refresh)
     assert smallest and min(smallest) > 2.0 ** (refresher.mask_bits - 2)
     assert max(smallest) <= refresher.bound.accepted  # the client accepted every one
-    # every refreshed ciphertext was charged to the run's budget, which stays within 2^-40
+    # every refreshed ciphertext was charged to the run's budget (2^-30 for this set)
     assert refresher.budget.charged - charged == len(smallest)
-    assert refresher.budget.spent <= 2.0**-40
+    assert refresher.budget.spent <= refresher.budget.budget == 2.0**-30
 
 
 def test_encrypted_loss_matches_simulate(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
