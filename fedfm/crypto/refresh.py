@@ -556,7 +556,8 @@ class RefreshServer(_OnChain):
         The calibrated bound: every unmasked coefficient of a refreshed ciphertext is at most
         ``T = 2^value_bits * scale`` (:class:`RefreshBound`; the client refuses larger ones).
     flood_bits : int
-        ``log2`` of the standard deviation of the noise :meth:`release_many` floods with.
+        ``log2`` of the standard deviation of the noise :meth:`release_many` floods with; ``0``
+        releases without flooding (re-randomised only: what the attack tests compare against).
     mask_bits : int, optional
         ``log2 B``; default the largest with ``2B + T < q_ref / 2``.
     refresh_primes : int
@@ -753,9 +754,7 @@ class RefreshServer(_OnChain):
         for ciphertext in ciphertexts:
             chain.check_shape(ciphertext, "a ciphertext to release")
             if chain.level_of(ciphertext) < 1:
-                raise ProtocolError(
-                    "a released ciphertext must come from the refresh level or above"
-                )
+                raise ProtocolError("a released ciphertext must be at level 1 (q0, q1) or above")
             small = [
                 sample_ternary(degree, self._random_bytes),
                 sample_centered_binomial(degree, ZERO_NOISE_ETA, self._random_bytes),

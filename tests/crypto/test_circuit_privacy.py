@@ -130,7 +130,6 @@ def _noise_distinguisher(owner, server, upload, trials: int, seed: int) -> float
     return right / trials
 
 
-@pytest.mark.slow
 def test_rerandomising_alone_leaves_the_noise_to_read_flooding_hides_it(owner, server, upload):
     """Re-randomisation hides ``c1`` but the decryption still carries the computation's noise,
     which differs between the two hypotheses (one Benes layer's rotations and masked products):

@@ -352,6 +352,34 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
     assert sum(spent.values()) <= rows[-1]["server_seconds"]
     forward = report["forward_pass"]
     assert forward["predictions_agree"] == forward["samples"] == 3
+    # the refresh budget of the run and the releases' cost are recorded
+    budget = report["refresh_budget"]
+    per_block = rows[-1]["refreshed_ciphertexts"]
+    assert budget["refreshed_ciphertexts_per_block"] == per_block
+    assert budget["log2_run_budget"] == -30 and budget["rated_refreshed_ciphertexts"] == 2**19
+    assert budget["blocks_per_rated_run"] == 2**19 // per_block
+    assert budget["log2_bound_per_block"] == pytest.approx(
+        budget["log2_distance_per_ciphertext"] + np.log2(per_block)
+    )
+    assert str(budget["rated_refreshed_ciphertexts"]) in budget["run_length_assumed"]
+    privacy = report["circuit_privacy"]
+    assert privacy["flood_bits"] == 20 and privacy["release_seconds_per_block"] > 0
+    assert privacy["max_abs_error_after_release"] > privacy["max_abs_error_before_release"]
+    assert report["refresh_calibration"] is None  # only with --calibrate
+    run_ckks_benchmark(
+        run,
+        backend_name="ckks-8192",
+        batch_sizes=(2,),
+        calibrate=True,
+        results_dir=tmp_path / "calibrated",
+        log=lambda _: None,
+    )
+    calibration = json.loads((tmp_path / "calibrated" / "ckks_block_ckks-8192.json").read_text())[
+        "refresh_calibration"
+    ]
+    assert {"block*/exp", "block*/qkv", "block*/fc2"} <= set(calibration)
+    # every refreshed value of the micro student stays inside the calibrated bound 2^14
+    assert all(np.isfinite(v) and v < 14 for v in calibration.values())
     with pytest.raises(ConfigError, match="not 'simulate'"):
         run_ckks_benchmark(run, backend_name="simulate", results_dir=tmp_path)
     with pytest.raises(ConfigError, match="repeats must be >= 1"):
