@@ -19,8 +19,16 @@ Refreshes
 ---------
 Block evaluation runs out of levels several times per block; each time the server masks the
 ciphertexts in the coefficient domain and the data owner re-encrypts them at the top level
-(:mod:`fedfm.crypto.refresh`: the client's view is within statistical distance
-``(scale * |v| + 64 N) / 2^(mask_bits + 1)`` of the mask alone per coefficient).
+(:mod:`fedfm.crypto.refresh`: the evaluator's accountant keeps all refreshes of a run within
+the parameter set's statistical-distance budget of masks alone, ``2^-40`` for ``ckks``, and the
+data owner refuses masked values outside the calibrated range).
+
+Releases
+--------
+Every batch the evaluator computes is released when serialized (:meth:`CkksEvaluator.release`):
+switched to the lowest level, re-randomised with a fresh encryption of zero and noise-flooded, so
+that what the data owner receives tells it the values and nothing of how the server computed
+them beyond the flood's statistical parameter (``docs/ckks.md``, "Circuit privacy").
 
 Wire format
 -----------

@@ -140,7 +140,7 @@ def test_rerandomising_alone_leaves_the_noise_to_read_flooding_hides_it(owner, s
     assert 2.0**10 < difference < 2.0**16  # noise-sized: same plaintext within precision
     sigma = 2.0**server.circuit.refresher.flood_bits
     bound = difference / (sigma * math.sqrt(2.0 * math.pi))
-    assert bound < 2.0**-6  # the statistical distance of the two views, released
+    assert bound < 2.0**-6  # the statistical distance of the two views released (2^-6.7)
 
     unflooded = _evaluator(owner, flood_bits=0)
     assert _noise_distinguisher(owner, unflooded, upload, trials=8, seed=1) == 1.0
