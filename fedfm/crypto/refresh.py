@@ -38,21 +38,22 @@ where ``T`` bounds ``|x_i|``. :class:`RefreshBound` computes it: ``T = 2^value_b
 slot times the scale) and ``B`` the largest power of two with ``2B + T < q_ref / 2``.
 :class:`RefreshBudget` is the accountant: the server charges it per masked ciphertext and it
 refuses (:class:`~fedfm.errors.CryptoParameterError`) the refresh that would take the run past
-:data:`RUN_DISTANCE_BUDGET` (``2^-40``); :meth:`RefreshBound.rated_ciphertexts` is the run
-length a parameter set is rated for.
+its budget (:data:`RUN_DISTANCE_BUDGET`, ``2^-40``, unless the parameter set states another:
+``ckks-8192`` has no room for it); :meth:`RefreshBound.rated_ciphertexts` is the run length a
+parameter set is rated for.
 
 Detection. Only the client sees (masked) values; the server cannot. The client refuses
 (:class:`~fedfm.errors.ProtocolError`) a refresh in which any lifted coefficient lies outside
-``[-B - T, B + T]``. This guarantees the accounted bound whatever the values are: couple each
-``x_i + r_i`` with a mask-only ``r'_i``; they differ with probability ``|x_i| / (2B + 1)``, and
-when they differ ``x_i + r_i`` lies outside ``[-B, B]`` (and, as ``2B + T < q_ref / 2``, on one
-side only, without wrapping into the accepted range from the other), so an *accepted*
-difference lies in a band of width ``T``: probability at most ``T / (2B + 1)``. Hence, except
-with probability at most the accounted bound, every refresh the client accepts shows it exactly
-what masks alone would; larger values show up as a refusal (and the run stops), never as a
-silently weaker bound. What it does not cover: a client that skips the check (a malicious key
-holder, which can also feed out-of-range inputs to inflate values) is bounded by nothing here;
-the server cannot range-check encrypted values without zero-knowledge proofs.
+``[-B - T, B + T]``. Couple each ``x_i + r_i`` with a mask-only ``r'_i``: they differ with
+probability ``|x_i| / (2B + 1)``, and when they differ ``x_i + r_i`` lies outside ``[-B, B]`` (and,
+as ``2B + T < q_ref / 2``, on one side only, without wrapping into the accepted range from the
+other), so a difference the client accepts lies in a band of width ``T``: probability at most
+``T / (2B + 1)``. Hence the client's whole view (refused refreshes included) is within the
+accounted bound plus the probability that it refuses: values beyond the calibration add at most
+as much as they make an (open, reported) refusal likely, never silently. What it does not cover:
+a client that skips the check (a malicious key holder, which can also feed out-of-range inputs
+to inflate values) is bounded by nothing here; the server cannot range-check encrypted values
+without zero-knowledge proofs.
 
 Releases (circuit privacy)
 --------------------------
