@@ -421,6 +421,7 @@ def _bench_ckks(args: argparse.Namespace) -> None:
         batch_sizes=args.batch_sizes,
         block=args.block - 1,
         forward_batch=args.forward_batch,
+        calibrate=args.calibrate,
         repeats=args.repeats,
         results_dir=args.results_dir,
         command=args.command_line,
@@ -737,6 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="also run every block on this many images and compare predictions (0: skip)",
+    )
+    bench_ckks.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also record the largest refreshed value per refresh place over every block "
+        "(the refresh's value bound; untimed)",
     )
     bench_ckks.add_argument(
         "--repeats",

@@ -185,6 +185,13 @@ class Evaluator(ABC):
         (the loss as a ``(1,)`` batch).
         """
 
+    def release(self, batch: EncryptedBatch) -> EncryptedBatch:
+        """``batch`` as it may be sent to the data owner: for an encrypted backend re-randomised
+        and noise-flooded (circuit privacy), so that nothing but its values tells how the server
+        computed it. Backends apply it themselves when a batch they computed is serialized
+        (:meth:`EncryptedBatch.to_payload`); ``simulate`` returns the batch as it is."""
+        return batch
+
     def refresh_payload(self, items: list[Any]) -> dict[str, np.ndarray]:
         """The message arrays of a refresh request (the items a :data:`Work` yielded)."""
         raise ProtocolError(f"the {self.backend} backend never asks for refreshes")

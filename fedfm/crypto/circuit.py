@@ -10,7 +10,7 @@ products are computed lazily: products of one sum are added before a single reli
 rescale.
 
 Depth. A ciphertext's *headroom* is the number of rescales left before it reaches the refresh
-level (the chain's first two primes, kept for the mask: :mod:`fedfm.crypto.refresh`). An
+level (the chain's first two or three primes, kept for the mask: :mod:`fedfm.crypto.refresh`). An
 operation that needs a level from an operand without headroom first refreshes it. Refreshing
 needs the data owner, so every method that may refresh is a generator (a :data:`Work`): it yields
 a list of masked ciphertexts, is sent back the data owner's fresh ones, and returns its result.
@@ -115,7 +115,7 @@ def _timed(category: str) -> Any:
 class Circuit:
     """SEAL operations on one data owner's ciphertexts, from its *public* TenSEAL context."""
 
-    def __init__(self, context: ts.Context, refresher: Any) -> None:
+    def __init__(self, context: ts.Context, refresher: Any, refresh_index: int = 1) -> None:
         if context.is_private():
             raise CryptoParameterError("the evaluating circuit must not hold a secret key")
         self.seal = context.seal_context().data
@@ -126,6 +126,8 @@ class Circuit:
         self.scale = float(context.global_scale)
         self.slots = self.encoder.slot_count()
         self.refresher = refresher
+        # SEAL chain index of the refresh level (the refresher's, when it has one)
+        self.refresh_index = int(getattr(refresher, "refresh_index", refresh_index))
         self.stats = CircuitStats()
         self._vectors: dict[tuple[Any, ...], Any] = {}
         self._steps: list[int] = []
@@ -190,6 +192,7 @@ class Circuit:
                 function,
                 [encode_nested(item) for item in args],
                 options,
+                self.refresh_index,
             )
         except BrokenProcessPool as error:
             self._drop_pool(error)
@@ -202,8 +205,8 @@ class Circuit:
 
     # -- levels ----------------------------------------------------------------------------------
     def headroom(self, ct: Ciphertext) -> int:
-        """Rescales left before ``ct`` reaches the refresh level (chain index 1)."""
-        return self.seal.get_context_data(ct.parms_id()).chain_index() - 1
+        """Rescales left before ``ct`` reaches the refresh level."""
+        return self.seal.get_context_data(ct.parms_id()).chain_index() - self.refresh_index
 
     def _last_prime(self, ct: Ciphertext) -> int:
         data = self.seal.get_context_data(ct.parms_id())
@@ -561,7 +564,7 @@ def symbol() -> Traced:
 
 # Jobs the worker pool runs for Circuit.spread (module-level: a worker unpickles them by
 # reference). In a worker: evaluation circuits by context file (path, size, modification time).
-_CIRCUITS: OrderedDict[tuple[str, int, int], Circuit] = OrderedDict()
+_CIRCUITS: OrderedDict[tuple[str, int, int, int], Circuit] = OrderedDict()
 
 
 def encode_nested(value: Any) -> Any:
@@ -591,19 +594,20 @@ def run_segment(
     function: Callable[..., Any],
     inputs: Sequence[Any],
     options: dict[str, Any],
+    refresh_index: int = 1,
 ) -> tuple[Any, dict[str, Any]]:
     """In a worker: ``function(circuit, *inputs, **options)`` on a circuit of the public context
     saved at ``context_path``; ciphertexts travel as :func:`encode_nested` forms. Returns the
     result and the operations it took (:meth:`CircuitStats.operations`)."""
     status = os.stat(context_path)
-    key = (context_path, status.st_size, status.st_mtime_ns)
+    key = (context_path, status.st_size, status.st_mtime_ns, refresh_index)
     if key in _CIRCUITS:
         _CIRCUITS.move_to_end(key)
         circuit = _CIRCUITS[key]
     else:
         with open(context_path, "rb") as handle:
             context = ts.context_from(handle.read())
-        circuit = Circuit(context, _NoRefresh())
+        circuit = Circuit(context, _NoRefresh(), refresh_index)
         circuit.declare_steps(steps)
         _CIRCUITS[key] = circuit
         while len(_CIRCUITS) > CONTEXTS_PER_WORKER:

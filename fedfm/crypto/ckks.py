@@ -19,8 +19,16 @@ Refreshes
 ---------
 Block evaluation runs out of levels several times per block; each time the server masks the
 ciphertexts in the coefficient domain and the data owner re-encrypts them at the top level
-(:mod:`fedfm.crypto.refresh`: the client's view is within statistical distance
-``(scale * |v| + 64 N) / 2^(mask_bits + 1)`` of the mask alone per coefficient).
+(:mod:`fedfm.crypto.refresh`: the evaluator's accountant keeps all refreshes of a run within
+the parameter set's statistical-distance budget of masks alone, ``2^-40`` for ``ckks``, and the
+data owner refuses masked values outside the calibrated range).
+
+Releases
+--------
+Every batch the evaluator computes is released when serialized (:meth:`CkksEvaluator.release`):
+switched to the lowest level, re-randomised with a fresh encryption of zero and noise-flooded, so
+that what the data owner receives tells it the values and nothing of how the server computed
+them beyond the flood's statistical parameter (``docs/ckks.md``, "Circuit privacy").
 
 Wire format
 -----------
@@ -38,6 +46,7 @@ transport's job (TLS on the Deployment Engine).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -45,7 +54,7 @@ import os
 import tempfile
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import cached_property
@@ -67,7 +76,12 @@ from fedfm.crypto.backend import (
 )
 from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
-from fedfm.crypto.params import CKKS_16384, CkksParameters
+from fedfm.crypto.params import (
+    CKKS_16384,
+    REFRESH_PRIMES,
+    REFRESH_VALUE_BITS,
+    CkksParameters,
+)
 from fedfm.crypto.refresh import RefreshClient, RefreshServer, refresh_blobs
 from fedfm.crypto.seal_raw import SealIO, dumps, scratch_root, seal_bytes
 from fedfm.crypto.workers import (
@@ -158,6 +172,10 @@ class CkksBatch(EncryptedBatch):
 
     ``shape`` is the logical shape (images ``(n, C, H, W)``, hidden ``(n, T, D)``, rows
     ``(n, C)``); ``copies`` says whether the token copies of the layout hold valid values.
+    ``releaser`` is set on every batch an evaluator computes: serializing such a batch
+    (:meth:`to_payload`, :attr:`nbytes`) serializes ``releaser(batch)`` instead, re-randomised
+    and flooded (:meth:`CkksEvaluator.release`), so no computed ciphertext leaves the server
+    without it, whatever protocol code sends it.
     """
 
     tensor: tuple[tuple[Any, ...], ...]
@@ -166,6 +184,7 @@ class CkksBatch(EncryptedBatch):
     fingerprint: bytes
     copies: bool = True
     backend: str = NAME
+    releaser: Callable[[CkksBatch], CkksBatch] | None = None
 
     def __post_init__(self) -> None:
         if not self.shape or self.shape[0] < 1:
@@ -192,7 +211,8 @@ class CkksBatch(EncryptedBatch):
 
     @cached_property
     def _payload(self) -> dict[str, np.ndarray]:
-        blob = _join([dumps(ct) for feature in self.tensor for ct in feature])
+        tensor = self.tensor if self.releaser is None else self.releaser(self).tensor
+        blob = _join([dumps(ct) for feature in tensor for ct in feature])
         shape = np.asarray(self.shape, dtype=np.int64)
         layout = np.asarray(
             [
@@ -321,6 +341,8 @@ class CkksKeyOwner(KeyOwner):
         public_context: bytes | None,
         geometry: ModelGeometry | None,
         workers: int = 0,
+        value_bits: int = REFRESH_VALUE_BITS,
+        refresh_primes: int = REFRESH_PRIMES,
     ) -> None:
         if not context.is_private():
             raise CryptoParameterError("a CKKS key owner needs a context with its secret key")
@@ -332,7 +354,10 @@ class CkksKeyOwner(KeyOwner):
         self._encryptor = sealapi.Encryptor(self._seal, context.secret_key().data)
         self._decryptor = sealapi.Decryptor(self._seal, context.secret_key().data)
         self._packing = _Packing(self._encoder.slot_count(), geometry)
-        self._refresher = RefreshClient(context)
+        self._refresher = RefreshClient(
+            context, value_bits=value_bits, refresh_primes=refresh_primes
+        )
+        self._value_bits, self._refresh_primes = value_bits, refresh_primes
         self._io = SealIO(self._seal)
         self._workers = workers
 
@@ -385,7 +410,14 @@ class CkksKeyOwner(KeyOwner):
         if pool is not None:
             try:
                 fresh_parts = pool.map_chunks(
-                    refresh_blobs, self._worker_context, parts, local=self._refresh_parts
+                    functools.partial(
+                        refresh_blobs,
+                        value_bits=self._value_bits,
+                        refresh_primes=self._refresh_primes,
+                    ),
+                    self._worker_context,
+                    parts,
+                    local=self._refresh_parts,
                 )
                 return list_payload(fresh_parts, self.fingerprint)
             except BrokenProcessPool as error:
@@ -520,7 +552,14 @@ class CkksEvaluator(Evaluator):
             raise CryptoParameterError("public context lacks relinearization keys")
         self.params = params
         self.fingerprint = context_fingerprint(context)
-        refresher = RefreshServer(context, workers=workers)
+        refresher = RefreshServer(
+            context,
+            value_bits=params.refresh_value_bits,
+            flood_bits=params.flood_bits,
+            refresh_primes=params.refresh_primes,
+            budget=2.0**-params.run_budget_bits,
+            workers=workers,
+        )
         self.circuit = Circuit(context, refresher)
         pool = shared_pool(workers)
         if pool is not None:
@@ -544,7 +583,22 @@ class CkksEvaluator(Evaluator):
     def _batch(self, tensor: list[list[Any]], shape: tuple[int, ...], copies: bool) -> CkksBatch:
         layout = self._packing.layout_for(shape)
         frozen = tuple(tuple(feature) for feature in tensor)
-        return CkksBatch(frozen, shape, layout, self.fingerprint, copies=copies)
+        return CkksBatch(
+            frozen, shape, layout, self.fingerprint, copies=copies, releaser=self.release
+        )
+
+    def release(self, batch: EncryptedBatch) -> CkksBatch:
+        """``batch`` at the lowest level, every ciphertext re-randomised and flooded
+        (:meth:`~fedfm.crypto.refresh.RefreshServer.release_many`): what may go to the key
+        holder. Batches this evaluator computes are released when serialized."""
+        source = self._check(batch)
+        flat = [ct for feature in source.tensor for ct in feature]
+        with self.circuit.stats.timing("release"):
+            released = iter(self.circuit.refresher.release_many(flat))
+        tensor = tuple(tuple(next(released) for _ in feature) for feature in source.tensor)
+        return CkksBatch(
+            tensor, source.shape, source.layout, self.fingerprint, copies=source.copies
+        )
 
     def load(self, payload: dict[str, np.ndarray]) -> CkksBatch:
         return _load(payload, self._io, self.fingerprint, top_only=True)
@@ -573,6 +627,7 @@ class CkksEvaluator(Evaluator):
             source.layout,
             self.fingerprint,
             copies=source.copies,
+            releaser=self.release,
         )
 
     def embed(self, model: FheViT, images: EncryptedBatch) -> Work[CkksBatch]:
@@ -649,10 +704,10 @@ class CkksBackend(CryptoBackend):
         workers: int | None = None,
     ) -> None:
         params.accept(allow_insecure=allow_insecure)
-        if params.depth < 2:
+        if params.levels_between_refreshes < 1:
             raise CryptoParameterError(
                 f"CKKS parameters {params.coeff_mod_bit_sizes} leave no level between refreshes: "
-                "the first two primes are the refresh level"
+                f"the first {params.refresh_primes} primes are the refresh level"
             )
         self.params = params
         self.name = name  # the registered name, so logs and results say which parameter set ran
@@ -681,7 +736,14 @@ class CkksBackend(CryptoBackend):
         steps = SlotLayout.for_tokens(
             self.params.slots, 1 if geometry is None else geometry.tokens
         ).rotation_steps()
-        return CkksKeyOwner(context, public_context_bytes(context, steps), geometry, self.workers)
+        return CkksKeyOwner(
+            context,
+            public_context_bytes(context, steps),
+            geometry,
+            self.workers,
+            self.params.refresh_value_bits,
+            self.params.refresh_primes,
+        )
 
     def restore_key_owner(self, state: dict[str, np.ndarray]) -> CkksKeyOwner:
         try:
@@ -690,7 +752,14 @@ class CkksBackend(CryptoBackend):
             raise CryptoParameterError(f"CKKS key owner state lacks {error}") from None
         context = context_from_bytes(private.astype(np.uint8).tobytes(), "key owner state")
         check_context_parameters(context, self.params)
-        return CkksKeyOwner(context, None, geometry, self.workers)
+        return CkksKeyOwner(
+            context,
+            None,
+            geometry,
+            self.workers,
+            self.params.refresh_value_bits,
+            self.params.refresh_primes,
+        )
 
     def create_evaluator(
         self, public_context: bytes, geometry: ModelGeometry | None = None

@@ -25,13 +25,41 @@ MAX_MODULUS_BITS_128: dict[int, int] = {
 }
 
 
+# A masked refresh is calibrated for decoded slot values up to 2^REFRESH_VALUE_BITS: every
+# unmasked coefficient is then below 2^(scale_bits + REFRESH_VALUE_BITS), the bound the data
+# owner checks and the run's statistical-distance budget is accounted with
+# (fedfm.crypto.refresh.RefreshBound). The distilled student's refreshed coefficients reach
+# 2^12.4 times the scale (softmax's exponential, docs/ckks.md, "Masked refreshes"); 2^14 leaves
+# a factor of three.
+REFRESH_VALUE_BITS = 14
+# A run's masked refreshes stay within statistical distance 2^-RUN_BUDGET_BITS of masks alone.
+RUN_BUDGET_BITS = 40
+# A refresh level of the chain's first two primes (three in CKKS_16384: fedfm.crypto.refresh).
+REFRESH_PRIMES = 2
+# Released ciphertexts (what the server sends the key holder besides masked refreshes) are
+# flooded with a rounded Gaussian of standard deviation 2^FLOOD_BITS per coefficient: at scale
+# 2^40 and N = 8192 that is a slot error of standard deviation 2^FLOOD_BITS * 64 / 2^40
+# (docs/ckks.md, "Circuit privacy").
+FLOOD_BITS = 20
+
+
 @dataclass(frozen=True)
 class CkksParameters:
-    """A CKKS parameter set: ring degree, coefficient-modulus chain and scale."""
+    """A CKKS parameter set: ring degree, coefficient-modulus chain and scale.
+
+    ``refresh_value_bits`` and ``flood_bits`` are the masked refresh's calibrated value bound
+    and the release's flooding noise (:data:`REFRESH_VALUE_BITS`, :data:`FLOOD_BITS`);
+    ``refresh_primes`` the primes at the start of the chain kept for the refresh mask;
+    ``run_budget_bits`` the run's refresh budget, ``2^-run_budget_bits`` (:data:`RUN_BUDGET_BITS`).
+    """
 
     poly_modulus_degree: int
     coeff_mod_bit_sizes: tuple[int, ...]
     scale_bits: int
+    refresh_value_bits: int = REFRESH_VALUE_BITS
+    flood_bits: int = FLOOD_BITS
+    refresh_primes: int = REFRESH_PRIMES
+    run_budget_bits: int = RUN_BUDGET_BITS
 
     def __post_init__(self) -> None:
         if self.poly_modulus_degree not in MAX_MODULUS_BITS_128:
@@ -54,8 +82,8 @@ class CkksParameters:
 
     @property
     def levels_between_refreshes(self) -> int:
-        """Rescales between two masked refreshes: the first two primes stay for the mask."""
-        return len(self.coeff_mod_bit_sizes) - 3
+        """Rescales between two masked refreshes: the refresh level's primes stay for the mask."""
+        return len(self.coeff_mod_bit_sizes) - 1 - self.refresh_primes
 
     @property
     def modulus_bits(self) -> int:
@@ -98,9 +126,20 @@ class CkksParameters:
 
 # HELIX's practice (spec 000, Sec. 5.2): N = 8192, [60, 40, 40, 60], scale 2^40: depth 2.
 CKKS_8192 = CkksParameters(8192, (60, 40, 40, 60), 40)
-# The CKKS backend's default: N = 16384, q0 of 58 bits and a 40-bit mask prime (the refresh
-# level, 98 bits, holds a mask of 2^95), seven 40-bit levels, a 60-bit special prime: 438 bits,
-# exactly the 128-bit budget. Seven rescales between refreshes.
-CKKS_16384 = CkksParameters(16384, (58, 40, 40, 40, 40, 40, 40, 40, 40, 60), 40)
-# The smallest set with the same refresh level (for tests): one rescale between refreshes.
-CKKS_8192_REFRESH = CkksParameters(8192, (58, 40, 40, 60), 40)
+# The CKKS backend's default: N = 16384, a refresh level of three primes (60, 60, 58: 178 bits:
+# a mask of 2^175 over coefficients up to 2^60, i.e. slot values up to 2^20, keeps a run of 2^62
+# refreshed ciphertexts within 2^-40), five 40-bit levels, a 60-bit special prime: 438 bits,
+# exactly the 128-bit budget. Five rescales between refreshes.
+CKKS_16384 = CkksParameters(
+    16384,
+    (60, 60, 58, 40, 40, 40, 40, 40, 60),
+    40,
+    refresh_value_bits=20,
+    refresh_primes=3,
+)
+# The smallest set with a refresh level (N = 8192, CI and benchmarks): q0 q1 of 60 + 58 bits,
+# one 40-bit level, a 60-bit special prime: 218 bits, exactly the 128-bit budget. One rescale
+# between refreshes. A 118-bit refresh level is all N = 8192 allows: one refreshed ciphertext is
+# 2^-49 from masks alone at the calibrated bound, a block of the embedded model 2^-38, so this
+# set cannot keep a run within 2^-40; it is rated for 2^-30 (2^19 refreshed ciphertexts).
+CKKS_8192_REFRESH = CkksParameters(8192, (60, 58, 40, 60), 40, run_budget_bits=30)

@@ -6,38 +6,65 @@ encrypts it afresh at the top level, and the server removes the mask.
 
 Protocol
 --------
-The *refresh level* is the level with the two primes ``[q0, q1]`` left (SEAL chain index 1);
-``q_ref = q0 q1``. The server
+The *refresh level* is the level with the chain's first ``k`` primes left (``k = 2``: ``[q0,
+q1]``, SEAL chain index 1; ``k = 3`` adds ``q2``); ``q_ref`` is their product. The server
 
 1. mod-switches a copy of the ciphertext down to the refresh level;
 2. adds a fresh public-key encryption of zero, so that ``c1`` no longer depends on the server's
    computation (it becomes ``c1 + a u + e1``, pseudorandom under RLWE);
 3. adds ``r``, an integer polynomial with coefficients uniform in ``[-B, B]``, ``B = 2^mask_bits``
-   (default ``bits(q_ref) - 3``, so ``B <= q_ref / 4``), in the **coefficient domain**.
+   (by default the largest with ``2B + T < q_ref / 2``, ``T`` the calibrated coefficient bound
+   below), in the **coefficient domain**.
 
 The client decrypts ``x + r`` (``x = m + e``: message, computation error and the zero
 encryption's noise), lifts it exactly to an integer polynomial (centered CRT of its residues
-modulo ``q0`` and ``q1``; no wrap-around as long as ``|x| < q_ref / 2 - B``, i.e. always in
-practice: ``q_ref / 4`` is about ``2^95`` for the chains below), reduces that polynomial modulo
+modulo the refresh primes; no wrap-around as long as ``|x| < q_ref / 2 - B``, which the range check
+below guarantees for every refresh it accepts), reduces that polynomial modulo
 every data prime of the top level and encrypts it there (symmetric encryption) with the scale it
 came with. The server subtracts ``r`` (encoded at the top level with that scale) and holds a fresh
 top-level encryption of ``m + e``: the refresh adds only the client's fresh encryption noise.
 
-Statistical hiding
-------------------
+Statistical hiding, per run
+---------------------------
 Each coefficient the client sees is ``x_i + r_i`` with ``r_i`` uniform on ``2B + 1`` integers, so
-its distribution is within statistical distance ``|x_i| / (2B + 1)`` of ``r_i`` alone, whatever
-``x_i`` is. The coefficients of ``x`` are bounded by its canonical-embedding norm,
-``|x_i| <= scale * V`` where ``V`` bounds the magnitude of the decoded (noisy, complex) slot values,
-plus the zero encryption's noise (``< 64 N``). Hence, per coefficient,
+its distribution is within statistical distance ``|x_i| / (2B + 1)`` of ``r_i`` alone. For uniform
+masks that distance adds up over coefficients (it is tight), so a run's bound is
 
-    delta = (scale * V + 64 N) / (2B + 1)        (:meth:`RefreshServer.statistical_distance_bound`)
+    N x (refreshed ciphertexts of the run) x T / (2B + 1)
 
-and for the whole polynomial of N independent coefficients at most ``N * delta``
-(:meth:`RefreshServer.ciphertext_distance_bound`; for uniform masks this union bound is tight).
-With ``q0`` of 58 and ``q1`` of 40 bits, ``B = 2^95``; ``V = 2^10`` at scale ``2^40`` gives
-``delta ~ 2^-46`` per coefficient and ``~ 2^-32`` for a whole ciphertext at N = 16384. A whole-
-ciphertext ``2^-40`` at that value bound needs ``bits(q_ref) >= 106`` (e.g. a 50-bit ``q1``).
+where ``T`` bounds ``|x_i|``. :class:`RefreshBound` computes it: ``T = 2^value_bits * scale``
+(the *calibrated coefficient bound*: a ciphertext whose decoded slots all stay below
+``2^value_bits`` has every coefficient below ``T``, since a coefficient is bounded by the largest
+slot times the scale) and ``B`` the largest power of two with ``2B + T < q_ref / 2``.
+:class:`RefreshBudget` is the accountant: the server charges it per masked ciphertext and it
+refuses (:class:`~fedfm.errors.CryptoParameterError`) the refresh that would take the run past
+its budget (:data:`RUN_DISTANCE_BUDGET`, ``2^-40``, unless the parameter set states another:
+``ckks-8192`` has no room for it); :meth:`RefreshBound.rated_ciphertexts` is the run length a
+parameter set is rated for.
+
+Detection. Only the client sees (masked) values; the server cannot. The client refuses
+(:class:`~fedfm.errors.ProtocolError`) a refresh in which any lifted coefficient lies outside
+``[-B - T, B + T]``. Couple each ``x_i + r_i`` with a mask-only ``r'_i``: they differ with
+probability ``|x_i| / (2B + 1)``, and when they differ ``x_i + r_i`` lies outside ``[-B, B]`` (and,
+as ``2B + T < q_ref / 2``, on one side only, without wrapping into the accepted range from the
+other), so a difference the client accepts lies in a band of width ``T``: probability at most
+``T / (2B + 1)``. Hence the client's whole view (refused refreshes included) is within the
+accounted bound plus the probability that it refuses: values beyond the calibration add at most
+as much as they make an (open, reported) refusal likely, never silently. What it does not cover:
+a client that skips the check (a malicious key holder, which can also feed out-of-range inputs
+to inflate values) is bounded by nothing here; the server cannot range-check encrypted values
+without zero-knowledge proofs.
+
+Releases (circuit privacy)
+--------------------------
+Every ciphertext the server sends the key holder other than a masked refresh goes through
+:meth:`RefreshServer.release_many`: switched to the lowest level, re-randomised with a fresh
+public-key encryption of zero (so ``c1`` is pseudorandom, not a deterministic function of the
+client's own polynomials and the server's weights or permutation masks) and *flooded*: a rounded
+Gaussian of standard deviation ``sigma = 2^flood_bits`` is added to every coefficient. Two server
+computations whose outputs differ by ``d`` (coefficients, before flooding) give views within
+statistical distance ``||d||_2 / (sigma sqrt(2 pi))``; what that buys at an affordable ``sigma``
+is stated in ``docs/ckks.md``.
 
 Randomness
 ----------
@@ -68,6 +95,10 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from fedfm.crypto.params import FLOOD_BITS as DEFAULT_FLOOD_BITS
+from fedfm.crypto.params import REFRESH_PRIMES as DEFAULT_REFRESH_PRIMES
+from fedfm.crypto.params import REFRESH_VALUE_BITS as DEFAULT_REFRESH_VALUE_BITS
+from fedfm.crypto.params import RUN_BUDGET_BITS
 from fedfm.crypto.seal_raw import (
     CIPHERTEXT_SIZE_MAX,
     MixedRadix,
@@ -77,7 +108,7 @@ from fedfm.crypto.seal_raw import (
     SealIO,
     addmod,
     context_data,
-    crt_lift,
+    crt_lift_many,
     dumps,
     mulmod,
     parse_ciphertext,
@@ -86,12 +117,14 @@ from fedfm.crypto.seal_raw import (
     submod,
 )
 from fedfm.crypto.workers import CONTEXTS_PER_WORKER, WorkerPool, discard_pool, shared_pool
-from fedfm.errors import CryptoParameterError, ProtocolError
+from fedfm.errors import CryptoParameterError, InvariantError, ProtocolError
 
 _LOG = logging.getLogger(__name__)
 
-# The mask must hide a unit slot value at the context's scale to this many bits per coefficient.
-MIN_HIDING_BITS = 40
+# The statistical distance of a key holder's view of all masked refreshes of one run (one
+# evaluator, i.e. one data owner's key) from masks alone, at most: what RefreshBudget enforces
+# by default (a parameter set may state its own: CkksParameters.run_budget_bits).
+RUN_DISTANCE_BUDGET = 2.0**-RUN_BUDGET_BITS
 # Errors of the encryption of zero: centered binomial with this parameter (variance 10.5, the
 # standard deviation 3.2 of SEAL's errors; |e| <= 21).
 ZERO_NOISE_ETA = 21
@@ -105,6 +138,146 @@ MASK_MATERIAL_BUDGET = 256 << 20
 _SCALE_TOLERANCE = 1e-12
 
 Ciphertext = Any  # sealapi.Ciphertext, or the same SEAL type as held by TenSEAL
+
+
+@dataclass(frozen=True)
+class RefreshBound:
+    """What one masked refresh may show the key holder, and the run length that keeps it small.
+
+    Attributes
+    ----------
+    degree : int
+        ``N``: coefficients per ciphertext.
+    value_bound : int
+        ``T``: the largest unmasked coefficient ``|x_i|`` the client accepts (the calibrated
+        coefficient bound, ``2^value_bits * scale``).
+    mask_bits : int
+        ``log2 B``: masks are uniform on ``[-B, B]``.
+    refresh_modulus : int
+        ``q_ref``, the product of the refresh level's primes.
+    """
+
+    degree: int
+    value_bound: int
+    mask_bits: int
+    refresh_modulus: int
+
+    @classmethod
+    def for_modulus(
+        cls, degree: int, refresh_modulus: int, value_bound: int, mask_bits: int | None = None
+    ) -> RefreshBound:
+        """The bound for a refresh level ``q_ref``; ``mask_bits`` defaults to the largest with
+        ``2B + T < q_ref / 2`` (then an accepted coefficient never wraps, see the module notes)."""
+        half = refresh_modulus // 2
+        largest = (half - value_bound - 1) // 2
+        if largest < 1:
+            raise CryptoParameterError(
+                f"no room for the mask: the refresh level's modulus q_ref has "
+                f"{refresh_modulus.bit_length()} bits, the value bound alone "
+                f"{value_bound.bit_length()}"
+            )
+        bits = largest.bit_length() - 1 if mask_bits is None else mask_bits
+        if bits < 1 or 2 * (1 << bits) + value_bound >= half:
+            raise CryptoParameterError(
+                f"mask_bits={bits} does not fit the refresh modulus q_ref of "
+                f"{refresh_modulus.bit_length()} bits with a value bound of "
+                f"2^{math.log2(value_bound):.1f} (need 2B + T < q_ref / 2, so mask_bits <= "
+                f"{largest.bit_length() - 1})"
+            )
+        return cls(degree, value_bound, bits, refresh_modulus)
+
+    @property
+    def accepted(self) -> int:
+        """``B + T``: the largest lifted coefficient the client accepts."""
+        return (1 << self.mask_bits) + self.value_bound
+
+    @property
+    def per_coefficient(self) -> float:
+        """``T / (2B + 1)``: statistical distance of one accepted coefficient from the mask."""
+        return self.value_bound / (2.0 ** (self.mask_bits + 1) + 1)
+
+    @property
+    def per_ciphertext(self) -> float:
+        """``N T / (2B + 1)``: one refreshed ciphertext (coefficients add up: uniform masks)."""
+        return self.degree * self.per_coefficient
+
+    def rated_ciphertexts(self, budget: float = RUN_DISTANCE_BUDGET) -> int:
+        """Refreshed ciphertexts a run may have before its bound passes ``budget``."""
+        return math.floor(budget / self.per_ciphertext)
+
+    def run_bound(self, ciphertexts: int) -> float:
+        """Statistical distance bound of a run of ``ciphertexts`` refreshed ciphertexts."""
+        return ciphertexts * self.per_ciphertext
+
+    def describe(self, budget: float = RUN_DISTANCE_BUDGET) -> dict[str, float | int]:
+        """The numbers a benchmark records (log2 of the distances)."""
+        return {
+            "mask_bits": self.mask_bits,
+            "refresh_modulus_bits": self.refresh_modulus.bit_length(),
+            "value_bound_bits": math.log2(self.value_bound),
+            "log2_distance_per_coefficient": math.log2(self.per_coefficient),
+            "log2_distance_per_ciphertext": math.log2(self.per_ciphertext),
+            "log2_run_budget": math.log2(budget),
+            "rated_refreshed_ciphertexts": self.rated_ciphertexts(budget),
+        }
+
+    def outside(self, lifted: MixedRadix) -> np.ndarray:
+        """Mask of the lifted coefficients outside ``[-(B + T), B + T]`` (what the client
+        refuses), exactly, on the mixed-radix digits of the lift."""
+        return ~lifted.within(self.accepted)
+
+
+class RefreshBudget:
+    """The run's accountant: refreshed ciphertexts are charged before they are masked, and the
+    one that would take the run's statistical distance past ``budget`` is refused.
+
+    Parameters
+    ----------
+    bound : RefreshBound
+        What one refreshed ciphertext may show (:attr:`RefreshBound.per_ciphertext`).
+    budget : float
+        The run's allowance (default :data:`RUN_DISTANCE_BUDGET`, ``2^-40``).
+    """
+
+    def __init__(self, bound: RefreshBound, budget: float = RUN_DISTANCE_BUDGET) -> None:
+        if not 0.0 < budget < 1.0:
+            raise CryptoParameterError(f"a run's distance budget must be in (0, 1), got {budget}")
+        self.bound = bound
+        self.budget = budget
+        self.rated = bound.rated_ciphertexts(budget)
+        if self.rated < 1:
+            raise CryptoParameterError(
+                f"no room for the mask: one refreshed ciphertext is within statistical distance "
+                f"2^{math.log2(bound.per_ciphertext):.1f} of the mask, above the run's budget "
+                f"2^{math.log2(budget):.0f}; use a larger refresh level or a smaller value "
+                "bound"
+            )
+        self.charged = 0
+
+    @property
+    def spent(self) -> float:
+        """The run's statistical distance bound so far."""
+        return self.bound.run_bound(self.charged)
+
+    @property
+    def remaining(self) -> int:
+        """Ciphertexts that may still be refreshed in this run."""
+        return self.rated - self.charged
+
+    def charge(self, count: int) -> None:
+        """Account for ``count`` more refreshed ciphertexts, or refuse them all."""
+        if count < 0:
+            raise InvariantError("a negative number of refreshed ciphertexts")
+        if self.charged + count > self.rated:
+            raise CryptoParameterError(
+                f"refresh budget exhausted: this key has had {self.charged} refreshed ciphertexts "
+                f"(each within statistical distance 2^{math.log2(self.bound.per_ciphertext):.1f} "
+                f"of masks alone); {count} more would take the run past "
+                f"2^{math.log2(self.budget):.0f}. The parameter set is rated for {self.rated} per "
+                "key and run: run fewer rounds or samples, or use a parameter set with a larger "
+                "refresh level"
+            )
+        self.charged += count
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,38 +343,53 @@ def seal_deserialize(context: ts.Context, data: bytes) -> sealapi.Ciphertext:
 
 
 class _Chain:
-    """The modulus chain of a CKKS context: top level, refresh level and their primes."""
+    """The modulus chain of a CKKS context: top level, refresh level and their primes.
 
-    def __init__(self, context: ts.Context) -> None:
+    The refresh level keeps the chain's first ``refresh_primes`` primes (2 or 3): SEAL chain
+    index ``refresh_primes - 1``.
+    """
+
+    def __init__(self, context: ts.Context, refresh_primes: int = DEFAULT_REFRESH_PRIMES) -> None:
         self.seal_context = context.seal_context().data
         top = self.seal_context.first_context_data()
         if top.parms().scheme().name != "CKKS":  # TenSEAL and sealapi bind separate enums
             raise CryptoParameterError("masked refresh needs a CKKS context")
+        if refresh_primes not in (2, 3):
+            raise CryptoParameterError(f"a refresh level has 2 or 3 primes, not {refresh_primes}")
         self.top_parms_id: ParmsId = tuple(top.parms_id())
         self.top_primes = [m.value() for m in top.parms().coeff_modulus()]
         self.degree = top.parms().poly_modulus_degree()
-        if len(self.top_primes) < 3:
+        if len(self.top_primes) <= refresh_primes:
             raise CryptoParameterError(
                 f"the modulus chain has {len(self.top_primes)} data prime(s) "
                 f"(bits {[p.bit_length() for p in self.top_primes]}): a refresh needs the refresh "
-                "level [q0, q1] strictly below the top level, i.e. at least three data primes"
+                f"level ({refresh_primes} primes) strictly below the top level, i.e. at least "
+                f"{refresh_primes + 1} data primes"
             )
+        self.refresh_index = refresh_primes - 1
+        levels = {}
         level = top
-        while level.chain_index() > 2:
+        while level is not None:
+            levels[level.chain_index()] = level
             level = level.next_context_data()
         # One level above the refresh level: encryptions of zero are made there and divided down.
-        self.above_refresh_parms_id: ParmsId = tuple(level.parms_id())
-        level = level.next_context_data()
-        self.refresh_parms_id: ParmsId = tuple(level.parms_id())
-        self.q0, self.q1 = (m.value() for m in level.parms().coeff_modulus())
+        self.above_refresh_parms_id: ParmsId = tuple(levels[refresh_primes].parms_id())
+        self.refresh_parms_id: ParmsId = tuple(levels[self.refresh_index].parms_id())
+        # Level 1 (q0, q1) and the lowest (q0 alone), where released ciphertexts are made.
+        self.second_parms_id: ParmsId = tuple(levels[1].parms_id())
+        self.lowest_parms_id: ParmsId = tuple(levels[0].parms_id())
+        self.refresh_primes = [
+            m.value() for m in levels[self.refresh_index].parms().coeff_modulus()
+        ]
+        self.q0 = self.refresh_primes[0]
         # SEAL drops primes from the end, so the refresh primes lead the top level's; the mask's
-        # rows 0 and 1 rely on it.
-        if self.top_primes[:2] != [self.q0, self.q1]:
+        # first rows rely on it.
+        if self.top_primes[:refresh_primes] != self.refresh_primes:
             raise CryptoParameterError("the refresh level's primes do not lead the top level's")
-        self.refresh_modulus = self.q0 * self.q1
+        self.refresh_modulus = math.prod(self.refresh_primes)
 
     def level_of(self, ciphertext: Ciphertext) -> int:
-        """SEAL chain index of ``ciphertext`` (top = primes - 1, refresh = 1, ``[q0]`` = 0)."""
+        """SEAL chain index of ``ciphertext`` (top = primes - 1, ``[q0]`` = 0)."""
         return context_data(self.seal_context, ciphertext.parms_id()).chain_index()
 
     def describe(self, level: int) -> str:
@@ -223,38 +411,37 @@ def sample_uniform_mask(
     with coefficients uniform in ``[-B, B]``, ``B = 2^mask_bits``, from ``random_bytes``.
 
     ``u = r + B`` is uniform on the ``2B + 1 = 2^(b+1) + 1`` integers ``[0, 2^(b+1)]``:
-    rejection sampling of ``b + 2``-bit words (two ``uint64`` limbs ``hi, lo``), keeping those
-    whose top bit is clear or that equal ``2^(b+1)`` (acceptance just over 1/2). Exact: no
-    modular bias, every candidate is used or discarded whole.
+    rejection sampling of ``b + 2``-bit words (``uint64`` limbs, most significant first),
+    keeping those whose top bit is clear or that equal ``2^(b+1)`` (acceptance just over 1/2).
+    Exact: no modular bias, every candidate is used or discarded whole.
     """
-    if not 1 <= mask_bits <= 126:
-        raise CryptoParameterError(f"mask_bits must be in [1, 126], got {mask_bits}")
+    if not 1 <= mask_bits <= 250:
+        raise CryptoParameterError(f"mask_bits must be in [1, 250], got {mask_bits}")
     width = mask_bits + 2
-    his, los, have = [], [], 0
+    limbs = -(-width // 64)
+    top_width = width - 64 * (limbs - 1)  # bits in the most significant limb
+    kept: list[np.ndarray] = []
+    have = 0
     while have < degree:
         count = 2 * (degree - have) + 64
-        words = np.frombuffer(random_bytes(16 * count), dtype="<u8").astype(np.uint64)
-        hi, lo = words[:count], words[count:]
-        if width <= 64:
-            hi = np.zeros_like(lo)
-            lo = lo >> np.uint64(64 - width)
-            top = lo >> np.uint64(width - 1)
-            rest_zero = (lo & np.uint64((1 << (width - 1)) - 1)) == 0
-        else:
-            hi = hi >> np.uint64(128 - width)
-            top = hi >> np.uint64(width - 65)
-            rest_zero = ((hi & np.uint64((1 << (width - 65)) - 1)) == 0) & (lo == 0)
+        words = np.frombuffer(random_bytes(8 * limbs * count), dtype="<u8").astype(np.uint64)
+        words = words.reshape(limbs, count)
+        words[0] >>= np.uint64(64 - top_width)
+        top = words[0] >> np.uint64(top_width - 1)
+        rest_zero = (words[0] & np.uint64((1 << (top_width - 1)) - 1)) == 0
+        for limb in words[1:]:
+            rest_zero &= limb == 0
         keep = (top == 0) | rest_zero
-        his.append(hi[keep])
-        los.append(lo[keep])
+        kept.append(words[:, keep])
         have += int(keep.sum())
-    hi = np.concatenate(his)[:degree]
-    lo = np.concatenate(los)[:degree]
-    limbs = []
+    chosen = np.concatenate(kept, axis=1)[:, :degree]
+    out = []
     for p in primes:
-        u = addmod(mulmod(hi % np.uint64(p), _WORD % p, p), lo % np.uint64(p), p)
-        limbs.append(submod(u, np.full_like(u, (1 << mask_bits) % p), p))
-    return np.stack(limbs)
+        u = chosen[0] % np.uint64(p)
+        for limb in chosen[1:]:
+            u = addmod(mulmod(u, _WORD % p, p), limb % np.uint64(p), p)
+        out.append(submod(u, np.full_like(u, (1 << mask_bits) % p), p))
+    return np.stack(out)
 
 
 def secure_random_bytes(count: int) -> bytes:
@@ -309,9 +496,40 @@ def sample_centered_binomial(
     return first - second
 
 
+def sample_rounded_gaussian(
+    degree: int, sigma: float, random_bytes: Callable[[int], bytes]
+) -> np.ndarray:
+    """``degree`` integers ``round(sigma * Z)``, ``Z`` standard normal (Box-Muller on 53-bit
+    uniforms: the tails are cut at ``8.6 sigma``, a mass below ``2^-55``)."""
+    if not 0.0 < sigma < 2.0**52:
+        raise CryptoParameterError(f"sigma must be in (0, 2^52), got {sigma}")
+    words = np.frombuffer(random_bytes(16 * degree), dtype="<u8").astype(np.uint64)
+    first = ((words[:degree] >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0**-53
+    second = (words[degree:] >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    normal = np.sqrt(-2.0 * np.log(first)) * np.cos(2.0 * np.pi * second)
+    return np.rint(sigma * normal).astype(np.int64)
+
+
 def _residues(values: np.ndarray, primes: Sequence[int]) -> np.ndarray:
     """Small signed integers as residues modulo each prime: shape ``(len(primes), len(values))``."""
     return np.stack([np.where(values < 0, values + p, values).astype(np.uint64) for p in primes])
+
+
+def refresh_bound(
+    context: ts.Context, chain: _Chain, value_bits: int, mask_bits: int | None = None
+) -> RefreshBound:
+    """The :class:`RefreshBound` of ``context``'s refresh level for a calibrated bound of
+    ``2^value_bits`` at the context's scale (the same on both sides of a refresh)."""
+    try:
+        scale = float(context.global_scale)
+    except ValueError:  # TenSEAL: "no global scale"
+        raise CryptoParameterError(
+            "the refresh bound needs the context's scale (set global_scale)"
+        ) from None
+    if not 0 <= value_bits <= 64:
+        raise CryptoParameterError(f"value_bits must be in [0, 64], got {value_bits}")
+    value_bound = int(scale) << value_bits
+    return RefreshBound.for_modulus(chain.degree, chain.refresh_modulus, value_bound, mask_bits)
 
 
 class _OnChain:
@@ -335,8 +553,18 @@ class RefreshServer(_OnChain):
     ----------
     context : ts.Context
         The client's *public* context (public key, no secret key).
+    value_bits : int
+        The calibrated bound: every unmasked coefficient of a refreshed ciphertext is at most
+        ``T = 2^value_bits * scale`` (:class:`RefreshBound`; the client refuses larger ones).
+    flood_bits : int
+        ``log2`` of the standard deviation of the noise :meth:`release_many` floods with; ``0``
+        releases without flooding (re-randomised only: what the attack tests compare against).
     mask_bits : int, optional
-        ``log2 B``; default and maximum ``bits(q0 q1) - 3`` (so ``B <= q0 q1 / 4``).
+        ``log2 B``; default the largest with ``2B + T < q_ref / 2``.
+    refresh_primes : int
+        Primes of the refresh level (2 or 3), as in the parameter set.
+    budget : float
+        The run's statistical-distance allowance for all its refreshes (:class:`RefreshBudget`).
     rng : numpy.random.Generator, optional
         Deterministic mask source for tests only (not secure); default ``os.urandom``.
     workers : int
@@ -350,7 +578,11 @@ class RefreshServer(_OnChain):
         self,
         context: ts.Context,
         *,
+        value_bits: int = DEFAULT_REFRESH_VALUE_BITS,
+        flood_bits: int = DEFAULT_FLOOD_BITS,
+        refresh_primes: int = DEFAULT_REFRESH_PRIMES,
         mask_bits: int | None = None,
+        budget: float = RUN_DISTANCE_BUDGET,
         rng: np.random.Generator | None = None,
         workers: int = 0,
     ) -> None:
@@ -360,71 +592,65 @@ class RefreshServer(_OnChain):
             )
         if not context.has_public_key():
             raise CryptoParameterError("the server's context lacks the public key")
-        self._chain = _Chain(context)
-        largest = self._chain.refresh_modulus.bit_length() - 3
-        bits = largest if mask_bits is None else mask_bits
-        if not 1 <= bits <= largest:
-            raise CryptoParameterError(
-                f"mask_bits={bits} does not fit the refresh modulus q0*q1 of "
-                f"{self._chain.refresh_modulus.bit_length()} bits (1 <= mask_bits <= {largest})"
-            )
-        self._mask_bits = bits
-        try:
-            scale = context.global_scale
-        except ValueError:  # TenSEAL: "no global scale"; nothing to check the mask against
-            scale = None
-        unit = None if scale is None else self.statistical_distance_bound(1.0, scale)
-        if unit is not None and unit > 2.0**-MIN_HIDING_BITS:
-            raise CryptoParameterError(
-                f"no room for the mask: the refresh level q0*q1 has "
-                f"{self._chain.refresh_modulus.bit_length()} bits, so B = 2^{bits} hides a unit "
-                f"value at scale 2^{math.log2(scale):.0f} only to 2^{math.log2(unit):.1f} per "
-                f"coefficient (need 2^-{MIN_HIDING_BITS}); use larger q0 and q1"
-            )
+        self._chain = _Chain(context, refresh_primes)
+        self.bound = refresh_bound(context, self._chain, value_bits, mask_bits)
+        self.budget = RefreshBudget(self.bound, budget)
+        if not 0 <= flood_bits <= 50:
+            raise CryptoParameterError(f"flood_bits must be in [0, 50], got {flood_bits}")
+        self.flood_bits = flood_bits
         self._random_bytes: Callable[[int], bytes] = (
             secure_random_bytes if rng is None else rng.bytes
         )
         seal_context = self._chain.seal_context
         self._evaluator = sealapi.Evaluator(seal_context)
         self._io = SealIO(seal_context)
-        # The public key's residues modulo q0, q1, q2 (its first rows: SEAL's key level holds the
-        # data primes in chain order, then the special prime) are the public key of the level
-        # above the refresh level, where encryptions of zero are made directly.
+        # The public key's residues modulo the first k + 1 primes (its first rows: SEAL's key
+        # level holds the data primes in chain order, then the special prime) are the public key
+        # of the level above the refresh level (k primes), where encryptions of zero are made
+        # directly; its rows modulo q0, q1 that of level 1, where a release's are made.
         key = parse_ciphertext(seal_bytes(context.public_key().data.data()))
+        above = refresh_primes + 1
         self._public_key = self._io.write_ciphertext(
-            RawCiphertext(self._chain.above_refresh_parms_id, True, 1.0, key.data[:, :3])
+            RawCiphertext(self._chain.above_refresh_parms_id, True, 1.0, key.data[:, :above])
         )
+        self._public_key_low = self._io.write_ciphertext(
+            RawCiphertext(self._chain.second_parms_id, True, 1.0, key.data[:, :2])
+        )
+        self._refresh_primes = refresh_primes
         self.public_context_bytes = context.serialize(
             save_public_key=True,
             save_secret_key=False,
             save_galois_keys=False,
             save_relin_keys=False,
         )
+        self._value_bits = value_bits
         pool = None if rng is not None else shared_pool(workers)
         self._supply = None if pool is None else _MaskSupply(self, pool)
 
     @property
     def mask_bits(self) -> int:
         """``log2 B``: mask coefficients are uniform in ``[-B, B]``."""
-        return self._mask_bits
+        return self.bound.mask_bits
+
+    @property
+    def refresh_primes(self) -> int:
+        """Primes of the refresh level."""
+        return self._refresh_primes
+
+    @property
+    def refresh_index(self) -> int:
+        """SEAL chain index of the refresh level (``refresh_primes - 1``)."""
+        return self._chain.refresh_index
+
+    @property
+    def value_bits(self) -> int:
+        """``log2`` of the calibrated slot bound (``T = 2^value_bits * scale``)."""
+        return self._value_bits
 
     @property
     def worker_material(self) -> int:
         """Pieces of mask material the worker process made so far (0 without a worker)."""
         return 0 if self._supply is None else self._supply.supplied
-
-    def statistical_distance_bound(self, value_bound: float, scale: float) -> float:
-        """Per-coefficient statistical distance of the client's view from the mask alone.
-
-        ``(scale * value_bound + 64 N) / (2B + 1)``, where ``value_bound`` bounds the magnitude
-        of every decoded (noisy) slot value of the ciphertext being refreshed.
-        """
-        hidden = scale * value_bound + FRESH_NOISE_PER_DEGREE * self._chain.degree
-        return min(1.0, hidden / (2.0 ** (self._mask_bits + 1) + 1))
-
-    def ciphertext_distance_bound(self, value_bound: float, scale: float) -> float:
-        """Statistical distance for the whole polynomial (N coefficients): ``N`` times the above."""
-        return min(1.0, self._chain.degree * self.statistical_distance_bound(value_bound, scale))
 
     def prepare(self) -> MaskMaterial:
         """Fresh mask material: a new ``r`` and a new encryption of zero (no data involved).
@@ -436,7 +662,7 @@ class RefreshServer(_OnChain):
         own: the client's view is ``c1`` and the decryption, where ``r`` covers everything.
         """
         chain, degree = self._chain, self._chain.degree
-        limbs = sample_uniform_mask(degree, self._mask_bits, chain.top_primes, self._random_bytes)
+        limbs = sample_uniform_mask(degree, self.mask_bits, chain.top_primes, self._random_bytes)
         small = [
             sample_ternary(degree, self._random_bytes),
             sample_centered_binomial(degree, ZERO_NOISE_ETA, self._random_bytes),
@@ -445,16 +671,17 @@ class RefreshServer(_OnChain):
         # One batch of NTTs at the top level serves every level: lower levels' primes lead the
         # top level's, and SEAL's transform of a residue row depends only on its prime.
         r, u, e1 = self._io.to_ntt(chain.top_parms_id, polys)
-        above = chain.above_refresh_parms_id
-        u_plain = self._io.write_plaintext(RawPlaintext(above, 1.0, u[:3]))
+        above, k = chain.above_refresh_parms_id, self._refresh_primes
+        u_plain = self._io.write_plaintext(RawPlaintext(above, 1.0, u[: k + 1]))
         offset = sealapi.Ciphertext(chain.seal_context)
         self._evaluator.multiply_plain(self._public_key, u_plain, offset)
-        error = RawCiphertext(above, True, 1.0, np.stack([np.zeros_like(e1[:3]), e1[:3]]))
+        rows = e1[: k + 1]
+        error = RawCiphertext(above, True, 1.0, np.stack([np.zeros_like(rows), rows]))
         self._evaluator.add_inplace(offset, self._io.write_ciphertext(error))
-        offset.scale = float(chain.top_primes[2])  # the division leaves scale 1
+        offset.scale = float(chain.top_primes[k])  # the division leaves scale 1
         self._evaluator.rescale_to_next_inplace(offset)
         offset.scale = 1.0
-        self._io.add_ntt_inplace(offset, r[:2])
+        self._io.add_ntt_inplace(offset, r[:k])
         negated = np.stack(
             [submod(np.zeros_like(row), row, p) for row, p in zip(r, chain.top_primes, strict=True)]
         )
@@ -464,13 +691,18 @@ class RefreshServer(_OnChain):
     def mask_many(
         self, ciphertexts: Sequence[Ciphertext]
     ) -> list[tuple[MaskedCiphertext, RefreshMask]]:
-        """:meth:`mask` for several ciphertexts, with material made ahead by the worker if any."""
+        """:meth:`mask` for several ciphertexts, with material made ahead by the worker if any.
+
+        The run's accountant is charged first: a refresh that would take the run past its
+        statistical-distance budget is refused before anything is masked.
+        """
+        self.budget.charge(len(ciphertexts))
         supply = self._supply
         materials = [None] * len(ciphertexts) if supply is None else supply.take(len(ciphertexts))
         if supply is not None:
             supply.pause()  # the workers are about to be needed for the refresh itself
         return [
-            self.mask(ct, material) for ct, material in zip(ciphertexts, materials, strict=True)
+            self._mask(ct, material) for ct, material in zip(ciphertexts, materials, strict=True)
         ]
 
     def mask(
@@ -478,15 +710,23 @@ class RefreshServer(_OnChain):
     ) -> tuple[MaskedCiphertext, RefreshMask]:
         """Mask ``ciphertext`` for the client; keep the returned mask to :meth:`unmask` later.
 
-        ``material`` (from :meth:`prepare`, possibly in another process) is used once.
+        ``material`` (from :meth:`prepare`, possibly in another process) is used once. The
+        run's accountant is charged for it (:meth:`mask_many`).
         """
+        self.budget.charge(1)
+        return self._mask(ciphertext, material)
+
+    def _mask(
+        self, ciphertext: Ciphertext, material: MaskMaterial | None = None
+    ) -> tuple[MaskedCiphertext, RefreshMask]:
         chain = self._chain
         chain.check_shape(ciphertext, "a ciphertext to refresh")
         level = chain.level_of(ciphertext)
-        if level < 1:
+        if level < chain.refresh_index:
             raise ProtocolError(
                 f"ciphertext at {chain.describe(level)} is below the refresh level "
-                f"({chain.describe(1)}): it has no room for the mask; refresh before it gets there"
+                f"({chain.describe(chain.refresh_index)}): it has no room for the mask; refresh "
+                "before it gets there"
             )
         material = material or self.prepare()
         masked = sealapi.Ciphertext(chain.seal_context)
@@ -496,6 +736,51 @@ class RefreshServer(_OnChain):
         self._evaluator.add_inplace(masked, material.offset)
         mask = RefreshMask(material.negated, masked.scale, chain.top_parms_id)
         return MaskedCiphertext(masked), mask
+
+    def release_many(self, ciphertexts: Sequence[Ciphertext]) -> list[sealapi.Ciphertext]:
+        """``ciphertexts`` as they may leave for the key holder (besides masked refreshes):
+        at the lowest level, re-randomised and flooded (new ciphertexts; circuit privacy).
+
+        Each is switched to the lowest level (one prime: the key holder only decrypts, and the
+        message is a fraction of ``q0``), then gets a fresh public-key encryption of zero made
+        one level up and divided down (as :meth:`prepare` makes the mask's), so that ``c1`` is
+        pseudorandom under RLWE instead of a function of the client's own polynomials, and a
+        rounded Gaussian of standard deviation ``2^flood_bits`` on every coefficient of ``c0``,
+        which hides how the server computed the value below that noise.
+        """
+        chain, degree = self._chain, self._chain.degree
+        lowest, low = chain.lowest_parms_id, chain.second_parms_id
+        q0 = chain.top_primes[0]
+        out = []
+        for ciphertext in ciphertexts:
+            chain.check_shape(ciphertext, "a ciphertext to release")
+            if chain.level_of(ciphertext) < 1:
+                raise ProtocolError("a released ciphertext must be at level 1 (q0, q1) or above")
+            small = [
+                sample_ternary(degree, self._random_bytes),
+                sample_centered_binomial(degree, ZERO_NOISE_ETA, self._random_bytes),
+            ]
+            polys = np.stack([_residues(values, chain.top_primes[:2]) for values in small])
+            u, e1 = self._io.to_ntt(low, polys)
+            zero = sealapi.Ciphertext(chain.seal_context)
+            self._evaluator.multiply_plain(
+                self._public_key_low, self._io.write_plaintext(RawPlaintext(low, 1.0, u)), zero
+            )
+            error = RawCiphertext(low, True, 1.0, np.stack([np.zeros_like(e1), e1]))
+            self._evaluator.add_inplace(zero, self._io.write_ciphertext(error))
+            zero.scale = float(chain.top_primes[1])  # the division leaves scale 1
+            self._evaluator.rescale_to_next_inplace(zero)
+            if self.flood_bits:
+                flood = sample_rounded_gaussian(degree, 2.0**self.flood_bits, self._random_bytes)
+                self._io.add_ntt_inplace(
+                    zero, self._io.to_ntt(lowest, _residues(flood, [q0])[None])[0]
+                )
+            released = sealapi.Ciphertext(chain.seal_context)
+            self._evaluator.mod_switch_to(ciphertext, list(lowest), released)
+            zero.scale = released.scale
+            self._evaluator.add_inplace(released, zero)
+            out.append(released)
+        return out
 
     def hold_material(self) -> None:
         """Withdraw unstarted mask material jobs: the workers are wanted for something else."""
@@ -565,7 +850,12 @@ class _MaskSupply:
             try:
                 self._pending.append(
                     self._workers.submit(
-                        mask_material_blobs, self._public, self._server.mask_bits, self._chunk
+                        mask_material_blobs,
+                        self._public,
+                        self._server.mask_bits,
+                        self._server.value_bits,
+                        self._server.refresh_primes,
+                        self._chunk,
                     )
                 )
             except BrokenProcessPool as error:
@@ -608,10 +898,19 @@ class RefreshClient(_OnChain):
     Not thread-safe (one scratch file per instance).
     """
 
-    def __init__(self, context: ts.Context) -> None:
+    def __init__(
+        self,
+        context: ts.Context,
+        *,
+        value_bits: int = DEFAULT_REFRESH_VALUE_BITS,
+        refresh_primes: int = DEFAULT_REFRESH_PRIMES,
+    ) -> None:
         if not context.is_private():
             raise CryptoParameterError("the refresh client needs the context with the secret key")
-        self._chain = _Chain(context)
+        self._chain = _Chain(context, refresh_primes)
+        # The same bound as the server's (both derive it from the parameter set): what the
+        # client accepts, see the module notes on detection.
+        self.bound = refresh_bound(context, self._chain, value_bits)
         seal_context = self._chain.seal_context
         secret_key = context.secret_key().data
         self._decryptor = sealapi.Decryptor(seal_context, secret_key)
@@ -629,10 +928,10 @@ class RefreshClient(_OnChain):
         chain = self._chain
         chain.check_shape(ciphertext, "a masked ciphertext")
         level = chain.level_of(ciphertext)
-        if level != 1:
+        if level != chain.refresh_index:
             raise ProtocolError(
                 f"refusing to refresh a ciphertext at {chain.describe(level)}: only ciphertexts "
-                f"at the refresh level ({chain.describe(1)}) are masked"
+                f"at the refresh level ({chain.describe(chain.refresh_index)}) are masked"
             )
         return ciphertext
 
@@ -644,7 +943,17 @@ class RefreshClient(_OnChain):
             self._decryptor.decrypt(ciphertext, plain)
             raws.append(self._io.read_plaintext(plain).data)
         coeffs = self._io.from_ntt(self._chain.refresh_parms_id, np.stack(raws))
-        return crt_lift(coeffs[:, 0], coeffs[:, 1], self._chain.q0, self._chain.q1)
+        primes = self._chain.refresh_primes
+        return crt_lift_many([coeffs[:, j] for j in range(len(primes))], primes)
+
+    def unmasked(self, ciphertext: Ciphertext) -> np.ndarray:
+        """Test and calibration hook: the centered coefficients (``float64``) of ``ciphertext``
+        switched to the refresh level, i.e. the ``x`` a mask would hide (for any ciphertext at
+        or above the refresh level)."""
+        chain = self._chain
+        lowered = sealapi.Ciphertext(chain.seal_context)
+        self._evaluator.mod_switch_to(ciphertext, list(chain.refresh_parms_id), lowered)
+        return self._lift([lowered]).to_float()[0]
 
     def observe(self, masked: MaskedCiphertext | Ciphertext) -> np.ndarray:
         """The centered integer coefficients the client decrypts (object array of ``int``)."""
@@ -663,7 +972,9 @@ class RefreshClient(_OnChain):
             return []
         chain = self._chain
         primes, top = chain.top_primes, chain.top_parms_id
-        lifted = self._lift(ciphertexts).residues(primes)  # (k_top, m, N)
+        lifted = self._lift(ciphertexts)
+        self._check_range(lifted)
+        lifted = lifted.residues(primes)  # (k_top, m, N)
         # Symmetric encryption, batched: (NTT(y + e) - a s, a) with a uniform (sampled in the
         # NTT domain, where it is just as uniform) and e centered binomial, as SEAL's
         # encrypt_symmetric but with the polynomial y entering in coefficient form.
@@ -680,6 +991,20 @@ class RefreshClient(_OnChain):
             self._io.write_ciphertext(RawCiphertext(top, True, source.scale, np.stack([c0, a])))
             for c0, a, source in zip(firsts, uniform, ciphertexts, strict=True)
         ]
+
+    def _check_range(self, lifted: MixedRadix) -> None:
+        """Refuse the refresh if any lifted coefficient lies outside ``[-(B + T), B + T]``: the
+        server's values exceed the calibrated bound its refresh budget is accounted with."""
+        outside = self.bound.outside(lifted)
+        if outside.any():
+            worst = max(abs(int(x)) for x in lifted.to_int()[outside])
+            raise ProtocolError(
+                f"refusing a refresh: {int(outside.sum())} masked coefficient(s) lie outside "
+                f"[-(B + T), B + T] (B = 2^{self.bound.mask_bits}, T = "
+                f"2^{math.log2(self.bound.value_bound):.0f}), up to 2^{math.log2(worst):.1f}: the "
+                "server's values exceed the calibrated bound its refresh budget assumes, so "
+                "answering would show them beyond that budget"
+            )
 
     def _times_secret(self, polys: np.ndarray) -> np.ndarray:
         """``poly * s`` for NTT-form top-level polynomials ``polys`` (m, k, N), batched in
@@ -707,34 +1032,46 @@ def observe_masked(client: RefreshClient, masked: MaskedCiphertext | Ciphertext)
 _LOADED: OrderedDict[tuple[str, bytes, int], Any] = OrderedDict()
 
 
-def _loaded(role: str, context_bytes: bytes, mask_bits: int = 0) -> Any:
+def _loaded(
+    role: str, context_bytes: bytes, value_bits: int, refresh_primes: int, mask_bits: int = 0
+) -> Any:
     """``(io, refresher)`` for a context, built once per worker and kept while recently used."""
-    key = (role, hashlib.sha256(context_bytes).digest(), mask_bits)
+    key = (role, hashlib.sha256(context_bytes).digest(), value_bits, refresh_primes, mask_bits)
     if key in _LOADED:
         _LOADED.move_to_end(key)
         return _LOADED[key]
     context = ts.context_from(context_bytes)
     io = SealIO(context.seal_context().data)
     if role == "client":
-        refresher: Any = RefreshClient(context)
+        refresher: Any = RefreshClient(
+            context, value_bits=value_bits, refresh_primes=refresh_primes
+        )
     else:
-        refresher = RefreshServer(context, mask_bits=mask_bits)
+        refresher = RefreshServer(
+            context, value_bits=value_bits, refresh_primes=refresh_primes, mask_bits=mask_bits
+        )
     _LOADED[key] = (io, refresher)
     while len(_LOADED) > CONTEXTS_PER_WORKER:
         _LOADED.popitem(last=False)
     return io, refresher
 
 
-def refresh_blobs(context_bytes: bytes, blobs: Sequence[bytes]) -> list[bytes]:
-    """In a worker: masked ciphertexts -> fresh ones (wire forms, :func:`seal_raw.dumps`)."""
-    io, client = _loaded("client", context_bytes)
+def refresh_blobs(
+    context_bytes: bytes,
+    blobs: Sequence[bytes],
+    value_bits: int = DEFAULT_REFRESH_VALUE_BITS,
+    refresh_primes: int = DEFAULT_REFRESH_PRIMES,
+) -> list[bytes]:
+    """In a worker: masked ciphertexts -> fresh ones (wire forms, :func:`seal_raw.dumps`),
+    refused as :meth:`RefreshClient.refresh_many` refuses."""
+    io, client = _loaded("client", context_bytes, value_bits, refresh_primes)
     fresh = client.refresh_many([io.load_ciphertext(blob) for blob in blobs])
     return [dumps(ct) for ct in fresh]
 
 
 def mask_material_blobs(
-    context_bytes: bytes, mask_bits: int, count: int
+    context_bytes: bytes, mask_bits: int, value_bits: int, refresh_primes: int, count: int
 ) -> list[tuple[bytes, bytes]]:
     """In a worker: ``count`` pieces of mask material as bytes (:meth:`MaskMaterial.to_bytes`)."""
-    _, server = _loaded("server", context_bytes, mask_bits)
+    _, server = _loaded("server", context_bytes, value_bits, refresh_primes, mask_bits)
     return [server.prepare().to_bytes() for _ in range(count)]

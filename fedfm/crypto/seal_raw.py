@@ -50,6 +50,7 @@ import shutil
 import struct
 import tempfile
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ import tenseal.sealapi as sealapi
 import zstandard
 
 import fedfm.crypto.seal_memory as seal_memory
-from fedfm.errors import CryptoParameterError, ProtocolError
+from fedfm.errors import CryptoParameterError, InvariantError, ProtocolError
 
 _LOG = logging.getLogger(__name__)
 
@@ -568,63 +569,128 @@ def submod(a: np.ndarray, b: np.ndarray, p: int) -> np.ndarray:
     return reduce_once(shifted - np.asarray(b, dtype=np.uint64), p)
 
 
+def radix_digits(value: int, primes: Sequence[int]) -> list[int]:
+    """Digits ``d_j < q_j`` of ``0 <= value < prod(primes)`` in the mixed radix of ``primes``:
+    ``value = d0 + q0 (d1 + q1 (d2 + ...))``."""
+    digits = []
+    for prime in primes:
+        value, digit = divmod(value, prime)
+        digits.append(digit)
+    if value:
+        raise InvariantError("a value beyond the product of its radix primes")
+    return digits
+
+
+def _lexicographic(
+    digits: Sequence[np.ndarray], constant: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(less, equal)``: whether each mixed-radix number is below / equal to ``constant``
+    (its digits), comparing from the most significant digit."""
+    less = np.zeros(digits[0].shape, dtype=bool)
+    equal = np.ones(digits[0].shape, dtype=bool)
+    for digit, bound in zip(reversed(digits), reversed(constant), strict=True):
+        less |= equal & (digit < np.uint64(bound))
+        equal &= digit == np.uint64(bound)
+    return less, equal
+
+
 @dataclass(frozen=True, eq=False)
 class MixedRadix:
-    """Integers ``x = a0 + q0 * v - negative * q0 * q1`` with ``0 <= a0 < q0``, ``0 <= v < q1``.
+    """Integers ``x = d0 + q0 (d1 + q1 (d2 + ...)) - negative * Q`` with ``0 <= d_j < q_j`` and
+    ``Q = q0 q1 ...``: the exact centered lift of residues modulo ``Q``. ``negative`` marks the
+    entries whose representative in ``[0, Q)`` exceeds ``Q / 2``."""
 
-    The exact centered lift of residues modulo ``q0 * q1``: ``negative`` marks the entries
-    whose representative in ``[0, q0 q1)`` exceeds ``(q0 q1) / 2``.
-    """
-
-    a0: np.ndarray
-    v: np.ndarray
+    digits: tuple[np.ndarray, ...]
     negative: np.ndarray
-    q0: int
-    q1: int
+    primes: tuple[int, ...]
+
+    @property
+    def a0(self) -> np.ndarray:
+        """The lowest digit: ``x mod q0``."""
+        return self.digits[0]
+
+    @property
+    def q0(self) -> int:
+        return self.primes[0]
+
+    @property
+    def modulus(self) -> int:
+        """``Q``, the product of the primes."""
+        return math.prod(self.primes)
 
     def residues(self, primes: list[int]) -> np.ndarray:
         """``x mod p`` for each prime (stacked on a new first axis), vectorised; modulo ``q0``
         that is ``a0`` itself."""
         out = []
-        product = self.q0 * self.q1
         for p in primes:
             _check_prime(p)
             if p == self.q0:
                 out.append(self.a0)
                 continue
-            value = addmod(self.a0 % np.uint64(p), mulmod(self.v % np.uint64(p), self.q0, p), p)
-            wrap = np.full_like(value, product % p)
+            value = self.a0 % np.uint64(p)
+            weight = 1
+            for digit, below in zip(self.digits[1:], self.primes[:-1], strict=True):
+                weight *= below
+                value = addmod(value, mulmod(digit % np.uint64(p), weight, p), p)
+            wrap = np.full_like(value, self.modulus % p)
             out.append(np.where(self.negative, submod(value, wrap, p), value))
         return np.stack(out)
 
     def to_int(self) -> np.ndarray:
         """Exact integers as a NumPy object array of Python ``int`` (for inspection)."""
-        a0 = self.a0.astype(object)
-        v = self.v.astype(object)
-        negative = self.negative.astype(object)
-        return a0 + self.q0 * v - negative * (self.q0 * self.q1)
+        value = np.zeros(self.a0.shape, dtype=object)
+        for digit, prime in zip(reversed(self.digits), reversed(self.primes), strict=True):
+            value = value * prime + digit.astype(object)
+        return value - self.negative.astype(object) * self.modulus
 
     def to_float(self) -> np.ndarray:
         """The integers as ``float64`` (rounded)."""
-        value = self.a0.astype(np.float64) + float(self.q0) * self.v.astype(np.float64)
-        return value - self.negative * (float(self.q0) * float(self.q1))
+        value = np.zeros(self.a0.shape, dtype=np.float64)
+        for digit, prime in zip(reversed(self.digits), reversed(self.primes), strict=True):
+            value = value * float(prime) + digit.astype(np.float64)
+        return value - self.negative * float(self.modulus)
+
+    def within(self, bound: int) -> np.ndarray:
+        """Whether ``|x| <= bound`` (for ``0 <= bound < Q / 2``), exactly, on the digits."""
+        if not 0 <= bound < self.modulus // 2:
+            raise InvariantError(f"a bound of {bound.bit_length()} bits for a lift modulo Q")
+        less, equal = _lexicographic(self.digits, radix_digits(bound, self.primes))
+        if bound == 0:
+            return ~self.negative & equal
+        below, _ = _lexicographic(self.digits, radix_digits(self.modulus - bound, self.primes))
+        # x >= 0: x <= bound; x < 0: its representative X = x + Q is at least Q - bound
+        return np.where(self.negative, ~below, less | equal)
+
+
+def crt_lift_many(residues: Sequence[np.ndarray], primes: Sequence[int]) -> MixedRadix:
+    """Centered integers ``x`` with ``x = residues[j] mod primes[j]``, ``|x| <= Q / 2``.
+
+    Garner: digit ``d_j = (r_j - (d0 + q0 d1 + ... )) (q0 ... q_{j-1})^-1 mod q_j``; ``x > Q // 2``
+    exactly when its digits exceed those of ``Q // 2`` (compared from the most significant).
+    """
+    primes = tuple(int(p) for p in primes)
+    if len(primes) < 1 or len(residues) != len(primes):
+        raise ProtocolError(f"{len(residues)} residue rows for {len(primes)} primes")
+    for prime in primes:
+        _check_prime(prime)
+    digits = [np.asarray(residues[0], dtype=np.uint64)]
+    for j in range(1, len(primes)):
+        q = primes[j]
+        partial = digits[0] % np.uint64(q)
+        weight = 1
+        for i in range(1, j):
+            weight *= primes[i - 1]
+            partial = addmod(partial, mulmod(digits[i] % np.uint64(q), weight, q), q)
+        weight *= primes[j - 1]
+        difference = submod(np.asarray(residues[j], dtype=np.uint64), partial, q)
+        digits.append(mulmod(difference, pow(weight, -1, q), q))
+    less, equal = _lexicographic(digits, radix_digits(math.prod(primes) // 2, primes))
+    return MixedRadix(tuple(digits), ~(less | equal), primes)
 
 
 def crt_lift(r0: np.ndarray, r1: np.ndarray, q0: int, q1: int) -> MixedRadix:
-    """Centered integers ``x`` with ``x = r0 mod q0``, ``x = r1 mod q1``, ``|x| <= q0 q1 / 2``.
-
-    Garner: ``v = (r1 - r0) * q0^-1 mod q1`` and ``x = r0 + q0 v``; ``x > q0 q1 // 2`` exactly
-    when ``v > t`` or ``v == t and r0 > u``, where ``q0 q1 // 2 = t q0 + u``.
-    """
-    _check_prime(q0)
-    _check_prime(q1)
-    r0 = np.asarray(r0, dtype=np.uint64)
-    r1 = np.asarray(r1, dtype=np.uint64)
-    difference = submod(r1, r0 % np.uint64(q1), q1)
-    v = mulmod(difference, pow(q0, -1, q1), q1)
-    t, u = divmod(q0 * q1 // 2, q0)
-    negative = (v > np.uint64(t)) | ((v == np.uint64(t)) & (r0 > np.uint64(u)))
-    return MixedRadix(r0, v, negative, q0, q1)
+    """:func:`crt_lift_many` for two primes."""
+    return crt_lift_many([r0, r1], [q0, q1])
 
 
 # The direct path's self-test lives here, beside both paths it compares (seal_memory stays below

@@ -16,6 +16,7 @@ between refreshes costs more per operation but wins when round trips are slow.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,8 @@ from fedfm.approx.modules import clamped_count, reset_clamped
 from fedfm.crypto import get_backend
 from fedfm.crypto.backend import drive
 from fedfm.crypto.ckks import CkksBackend
+from fedfm.crypto.params import CkksParameters
+from fedfm.crypto.refresh import RefreshBound
 from fedfm.crypto.workers import WorkerPool, shared_pool
 from fedfm.distillation.pipeline import DistillRun, load_data, load_student
 from fedfm.errors import ConfigError
@@ -126,11 +129,17 @@ def measure_block(
     worker_cpu = sorted(
         (spent - cpu_before[1].get(pid, 0.0) for pid, spent in cpu_after[1].items()), reverse=True
     )
-    download = output.nbytes
+    # What the protocol sends: the output released (re-randomised and flooded), then decrypted.
     started = time.perf_counter()
-    decrypted = owner.decrypt(output)
+    released = evaluator.release(output)
+    release_seconds = time.perf_counter() - started
+    total += release_seconds
+    download = released.nbytes
+    started = time.perf_counter()
+    decrypted = owner.decrypt(released)
     decrypt_seconds = time.perf_counter() - started
     error = float(np.abs(decrypted - expected.numpy()).max())
+    unreleased_error = float(np.abs(owner.decrypt(output) - expected.numpy()).max())
     span = float(expected.abs().max())
     agree = float(
         (decrypted.argmax(axis=-1) == expected.numpy().argmax(axis=-1)).mean()
@@ -158,6 +167,12 @@ def measure_block(
         "ratio_vs_simulate": seconds / simulate_seconds,
         "max_abs_error": error,
         "error_over_range": error / span,
+        "max_abs_error_before_release": unreleased_error,
+        "release_seconds": release_seconds,
+        "refresh_bound_object": evaluator.circuit.refresher.bound,
+        "refresh_run_bound": evaluator.circuit.refresher.bound.run_bound(
+            sum(int(p.rsplit(":", 1)[1]) for p in stats.places[before[3] :])
+        ),
         "token_argmax_agreement": agree,
         "reference_clamped": clamped,
         **{
@@ -184,6 +199,69 @@ def measure_block(
     return row
 
 
+def _refresh_budget(
+    params: CkksParameters, bound: RefreshBound, headline: dict[str, Any]
+) -> dict[str, Any]:
+    """The masked refreshes' statistical-distance budget (per run, ``2^-40``) and what it means
+    for this block: the bound of one block and how many such blocks a run is rated for."""
+    per_block = headline["refreshed_ciphertexts"]
+    budget = 2.0**-params.run_budget_bits
+    rated = bound.rated_ciphertexts(budget)
+    return {
+        **bound.describe(budget),
+        "refresh_primes": params.refresh_primes,
+        "value_bits": params.refresh_value_bits,
+        "refreshed_ciphertexts_per_block": per_block,
+        "log2_bound_per_block": math.log2(bound.run_bound(per_block)),
+        "blocks_per_rated_run": rated // per_block,
+        "run_length_assumed": (
+            f"{rated} refreshed ciphertexts per key (one data owner, one run): "
+            f"{rated // per_block} blocks like this one at batch {headline['batch_size']}"
+        ),
+        "log2_run_bound_at_rated_length": math.log2(bound.run_bound(rated)),
+    }
+
+
+def measure_refresh_values(
+    model: FheViT, backend: CkksBackend, images: torch.Tensor, *, log: Callable[[str], None]
+) -> dict[str, float]:
+    """Calibration of the refresh's value bound: every block on ``images`` (the data owner
+    re-encrypting the released outputs between blocks), each ciphertext the server is about to
+    mask decrypted first (only a harness holding both parties can), and the largest unmasked
+    coefficient per refresh place (``block3/exp``, ...) as ``log2(max |x| / scale)``, the maximum
+    over the blocks under ``block*/<place>``. Untimed: the decryptions cost more than the block."""
+    geometry = model_geometry(model)
+    owner = backend.create_key_owner(geometry=geometry)
+    evaluator = backend.create_evaluator(owner.public_context(), geometry)
+    refresher, client = evaluator.circuit.refresher, owner._refresher
+    largest: list[float] = []
+    mask_many = refresher.mask_many
+
+    def spy(ciphertexts: Sequence[Any]) -> Any:
+        pairs = mask_many(ciphertexts)
+        # the masked view minus nothing: decrypt the unmasked ciphertext at the refresh level
+        largest.append(max(float(np.abs(client.unmasked(ct)).max()) for ct in ciphertexts))
+        return pairs
+
+    refresher.mask_many = spy  # type: ignore[method-assign]
+
+    def refresh(items: list[Any]) -> list[Any]:
+        return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
+
+    batch = drive(evaluator.embed(model, owner.encrypt(images.numpy())), refresh)
+    for index in range(model.num_blocks):
+        output = drive(evaluator.evaluate_block(model, index, batch), refresh)
+        batch = evaluator.load(owner.encrypt(owner.decrypt(evaluator.release(output))).to_payload())
+        log(f"[fedfm] bench-ckks calibration: block {index + 1} done")
+    scale = math.log2(evaluator.circuit.scale)
+    places: dict[str, float] = {}
+    for place, value in zip(evaluator.circuit.stats.places, largest, strict=True):
+        name = place.rsplit(":", 1)[0]
+        name = "block*/" + name.split("/", 1)[1] if name.startswith("block") else name
+        places[name] = max(places.get(name, -math.inf), math.log2(max(value, 1.0)) - scale)
+    return places
+
+
 def measure_forward(
     model: FheViT, backend: CkksBackend, images: torch.Tensor, *, log: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -204,7 +282,7 @@ def measure_forward(
         for index in range(model.num_blocks):
             expected = model.block(index, expected)
             output = drive(evaluator.evaluate_block(model, index, batch), refresh)
-            hidden = owner.decrypt(output)
+            hidden = owner.decrypt(evaluator.release(output))  # as the protocol sends it
             errors.append(float(np.abs(hidden - expected.numpy()).max() / expected.abs().max()))
             log(f"[fedfm] bench-ckks forward: block {index + 1} error/range {errors[-1]:.1e}")
             batch = evaluator.load(owner.encrypt(hidden).to_payload())
@@ -228,6 +306,7 @@ def run_ckks_benchmark(
     batch_sizes: Sequence[int] = (16, 64, 256),
     block: int = 0,
     forward_batch: int = 0,
+    calibrate: bool = False,
     repeats: int = 1,
     results_dir: Path = Path("results"),
     log: Callable[[str], None] = print,
@@ -270,6 +349,14 @@ def run_ckks_benchmark(
     forward = (
         measure_forward(model, backend, splits.test.images[:forward_batch], log=log)
         if forward_batch
+        else None
+    )
+    bound = rows[0].pop("refresh_bound_object")
+    for row in rows[1:]:
+        row.pop("refresh_bound_object")
+    calibration = (
+        measure_refresh_values(model, backend, splits.test.images[: batch_sizes[0]], log=log)
+        if calibrate
         else None
     )
     by_batch = {row["batch_size"]: row for row in rows}
@@ -328,6 +415,7 @@ def run_ckks_benchmark(
             ("ratio_vs_simulate", "x simulate"),
             ("seconds_per_block_deployment", "s/block at 8 s RTT"),
             ("error_over_range", "max error / range"),
+            ("release_seconds", "release s"),
         ],
         extra={
             "backend": backend_name,
@@ -344,6 +432,20 @@ def run_ckks_benchmark(
             "refresh_places": {row["batch_size"]: row["refresh_places"] for row in rows},
             "server_seconds_by_operation": {
                 row["batch_size"]: row["server_seconds_by_operation"] for row in rows
+            },
+            "refresh_budget": _refresh_budget(params, bound, headline),
+            # log2(largest unmasked coefficient / scale) per refresh place, over every block
+            # (--calibrate; the refresh's value bound is 2^value_bits)
+            "refresh_calibration": calibration,
+            "circuit_privacy": {
+                "flood_bits": params.flood_bits,
+                # standard deviation of the flood in a decoded slot: sigma sqrt(N / 2) / scale
+                "flood_slot_std": 2.0**params.flood_bits
+                * math.sqrt(params.poly_modulus_degree / 2)
+                / 2.0**params.scale_bits,
+                "release_seconds_per_block": headline["release_seconds"],
+                "max_abs_error_before_release": headline["max_abs_error_before_release"],
+                "max_abs_error_after_release": headline["max_abs_error"],
             },
             "cores_used": _cores_used(backend),
             "worker_processes": backend.workers if backend.workers >= 2 else 0,

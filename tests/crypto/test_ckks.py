@@ -69,8 +69,13 @@ def test_backend_is_registered_and_parameters_are_checked() -> None:
         registered = BACKENDS[name]()
         assert isinstance(registered, CkksBackend) and registered.params == params
         assert registered.name == name
+    # refresh levels of 178 and 118 bits (room for the run's budget), within 128-bit security
     assert CKKS_16384.modulus_bits == 438 and CKKS_16384.secure_128
-    assert CKKS_16384.levels_between_refreshes == 7
+    assert CKKS_16384.refresh_primes == 3 and CKKS_16384.levels_between_refreshes == 5
+    assert sum(CKKS_16384.coeff_mod_bit_sizes[:3]) == 178 and CKKS_16384.run_budget_bits == 40
+    assert CKKS_8192_REFRESH.modulus_bits == 218 and CKKS_8192_REFRESH.secure_128
+    assert sum(CKKS_8192_REFRESH.coeff_mod_bit_sizes[:2]) == 118
+    assert CKKS_8192_REFRESH.run_budget_bits == 30  # N = 8192 has no room for 2^-40 per run
     with pytest.raises(ConfigError, match="unknown crypto backend"):
         DoubleBlindConfig(backend="ckk")
     with pytest.raises(CryptoParameterError, match="below 128-bit security"):
@@ -236,10 +241,13 @@ def test_block_client_sees_only_masked_values(
             smallest.append(np.abs(client.observe(item).astype(float)).max())
         return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
 
+    charged = refresher.budget.charged
     drive(evaluator.evaluate_block(model, 0, batch), refresh)
     assert smallest and min(smallest) > 2.0 ** (refresher.mask_bits - 2)
-    # values of a few hundred at scale 2^40 stay hidden to 2^-40 per coefficient
-    assert refresher.statistical_distance_bound(1024.0, 2.0**40) <= 2.0**-40
+    assert max(smallest) <= refresher.bound.accepted  # the client accepted every one
+    # every refreshed ciphertext was charged to the run's budget (2^-30 for this set)
+    assert refresher.budget.charged - charged == len(smallest)
+    assert refresher.budget.spent <= refresher.budget.budget == 2.0**-30
 
 
 def test_encrypted_loss_matches_simulate(owner: CkksKeyOwner, evaluator: CkksEvaluator) -> None:
@@ -344,6 +352,34 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
     assert sum(spent.values()) <= rows[-1]["server_seconds"]
     forward = report["forward_pass"]
     assert forward["predictions_agree"] == forward["samples"] == 3
+    # the refresh budget of the run and the releases' cost are recorded
+    budget = report["refresh_budget"]
+    per_block = rows[-1]["refreshed_ciphertexts"]
+    assert budget["refreshed_ciphertexts_per_block"] == per_block
+    assert budget["log2_run_budget"] == -30 and budget["rated_refreshed_ciphertexts"] == 2**19
+    assert budget["blocks_per_rated_run"] == 2**19 // per_block
+    assert budget["log2_bound_per_block"] == pytest.approx(
+        budget["log2_distance_per_ciphertext"] + np.log2(per_block)
+    )
+    assert str(budget["rated_refreshed_ciphertexts"]) in budget["run_length_assumed"]
+    privacy = report["circuit_privacy"]
+    assert privacy["flood_bits"] == 20 and privacy["release_seconds_per_block"] > 0
+    assert privacy["max_abs_error_after_release"] > privacy["max_abs_error_before_release"]
+    assert report["refresh_calibration"] is None  # only with --calibrate
+    run_ckks_benchmark(
+        run,
+        backend_name="ckks-8192",
+        batch_sizes=(2,),
+        calibrate=True,
+        results_dir=tmp_path / "calibrated",
+        log=lambda _: None,
+    )
+    calibration = json.loads((tmp_path / "calibrated" / "ckks_block_ckks-8192.json").read_text())[
+        "refresh_calibration"
+    ]
+    assert {"block*/exp", "block*/qkv", "block*/fc2"} <= set(calibration)
+    # every refreshed value of the micro student stays inside the calibrated bound 2^14
+    assert all(np.isfinite(v) and v < 14 for v in calibration.values())
     with pytest.raises(ConfigError, match="not 'simulate'"):
         run_ckks_benchmark(run, backend_name="simulate", results_dir=tmp_path)
     with pytest.raises(ConfigError, match="repeats must be >= 1"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -10,13 +11,17 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 from scipy import stats
 
-from fedfm.crypto import seal_memory, seal_raw
+from fedfm.crypto import CKKS_16384, seal_memory, seal_raw
 from fedfm.crypto.refresh import (
     FRESH_NOISE_PER_DEGREE,
+    RUN_DISTANCE_BUDGET,
     ZERO_NOISE_ETA,
     MaskedCiphertext,
+    RefreshBound,
+    RefreshBudget,
     RefreshClient,
     RefreshServer,
+    _Chain,
     observe_masked,
     sample_centered_binomial,
     sample_ternary,
@@ -30,6 +35,7 @@ from fedfm.crypto.seal_raw import (
     RawCiphertext,
     SealIO,
     crt_lift,
+    crt_lift_many,
     dumps,
     mulmod,
     primes_of,
@@ -43,8 +49,8 @@ from fedfm.errors import CryptoParameterError, ProtocolError
 
 pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
 
-SMALL = (58, 40, 40, 60)  # N = 8192: top [q0, q1, q2], refresh [q0, q1], one level between
-DEEP = (58, 40, 40, 40, 40, 40, 40, 40, 40, 60)  # N = 16384, 438 bits
+SMALL = (60, 58, 40, 60)  # N = 8192: top [q0, q1, q2], refresh [q0, q1], one level between
+DEEP = (60, 60, 40, 40, 40, 40, 40, 40, 60)  # N = 16384, 420 bits, six levels between
 SCALE = 2.0**40
 
 
@@ -105,6 +111,10 @@ def _times(context: ts.Context, ciphertext: sealapi.Ciphertext, factor: float):
     evaluator.multiply_plain(ciphertext, plain, out)
     evaluator.rescale_to_next_inplace(out)
     return out
+
+
+def _chain_of(context: ts.Context) -> _Chain:
+    return _Chain(context)
 
 
 def _wire(context: ts.Context, ciphertext) -> sealapi.Ciphertext:
@@ -266,6 +276,28 @@ def test_mask_sampler_is_uniform_on_the_closed_interval():
         drawn = lifted.to_float() / 2.0**bits
         assert np.abs(drawn).max() <= 1.0 and drawn.max() > 0.99 and drawn.min() < -0.99
         assert np.array_equal(lifted.residues([1099511480321])[0], limbs[2])
+    # three limbs, lifted over three primes (the 178-bit refresh level)
+    primes = [1152921504606584833, 1152921504606748673, 288230376151388161]  # 178 bits
+    limbs = sample_uniform_mask(4096, 175, [*primes, 97], rng.bytes)
+    lifted = crt_lift_many(limbs[:3], primes)
+    drawn = np.array([float(x) for x in lifted.to_int()]) / 2.0**175
+    assert np.abs(drawn).max() <= 1.0 and drawn.max() > 0.99 and drawn.min() < -0.99
+    assert abs(drawn.mean()) < 0.05 and drawn.std() == pytest.approx(1 / np.sqrt(3), rel=0.05)
+    assert np.array_equal(lifted.residues([97])[0], limbs[3])
+
+
+def test_crt_lift_many_and_its_range_test_match_python_integers():
+    primes = [1152921504606584833, 1152921504606748673, 288230376151388161]
+    modulus = math.prod(primes)
+    rng = random.Random(5)
+    values = [rng.randrange(-(modulus // 2), modulus // 2) for _ in range(500)]
+    values += [modulus // 2, -(modulus // 2) + 1, 0, 1, -1, 2**116 + 5, -(2**116) - 5, 2**116]
+    residues = [np.array([v % p for v in values], dtype=np.uint64) for p in primes]
+    lifted = crt_lift_many(residues, primes)
+    assert list(lifted.to_int()) == values
+    assert list(lifted.residues([97])[0]) == [v % 97 for v in values]
+    for bound in (0, 5, 2**116, 2**116 + 4, modulus // 2 - 1):
+        assert list(lifted.within(bound)) == [abs(v) <= bound for v in values]
 
 
 # --- the protocol --------------------------------------------------------------------------
@@ -376,29 +408,36 @@ def test_server_needs_only_the_public_key(keys, server):
 
 
 def test_deep_chain_at_16384():
-    private, public = _contexts(16384, DEEP)
-    server, client = RefreshServer(public), RefreshClient(private)
-    assert server.mask_bits == 95  # q0 q1 has 98 bits
-    assert server.statistical_distance_bound(2.0**10, 2.0**40) <= 2.0**-40
-    assert server.ciphertext_distance_bound(2.0**10, 2.0**40) == pytest.approx(
-        16384 * server.statistical_distance_bound(2.0**10, 2.0**40)
-    )
-    values = np.random.default_rng(2).uniform(-300, 300, 8192)
-    ciphertext = _encrypt(private, values)
-    for _ in range(7):  # spend every level above the refresh level
-        ciphertext = _times(public, ciphertext, 1.0)
-    assert tuple(ciphertext.parms_id()) == server.refresh_parms_id
-    masked, mask = server.mask(ciphertext)
-    result = server.unmask(client.refresh(masked), mask)
-    assert _level(public, result) == 8
-    assert np.abs(_decrypt(private, result, 8192) - values).max() < 1e-6
+    """Two refresh levels at N = 16384: two primes (120 bits, six levels between refreshes) and
+    the backend's three (178 bits, five levels): the mask, lift and range check work on both."""
+    for bits, primes, mask_bits, levels in (
+        (DEEP, 2, 117, 6),
+        (CKKS_16384.coeff_mod_bit_sizes, 3, 175, 5),
+    ):
+        private, public = _contexts(16384, bits)
+        server = RefreshServer(public, refresh_primes=primes)
+        client = RefreshClient(private, refresh_primes=primes)
+        assert server.mask_bits == mask_bits  # 2B + T < q_ref / 2
+        assert server.bound == client.bound and server.refresh_index == primes - 1
+        assert server.bound.per_ciphertext == pytest.approx(16384 * server.bound.per_coefficient)
+        values = np.random.default_rng(2).uniform(-300, 300, 8192)
+        ciphertext = _encrypt(private, values)
+        for _ in range(levels):  # spend every level above the refresh level
+            ciphertext = _times(public, ciphertext, 1.0)
+        assert tuple(ciphertext.parms_id()) == server.refresh_parms_id
+        masked, mask = server.mask(ciphertext)
+        view = np.asarray(client.observe(masked), dtype=object)
+        assert max(abs(int(x)) for x in view) > 2 ** (mask_bits - 1)  # the mask's full width
+        result = server.unmask(client.refresh(masked), mask)
+        assert _level(public, result) == levels + primes - 1
+        assert np.abs(_decrypt(private, result, 8192) - values).max() < 1e-6
+    assert RefreshServer(public, refresh_primes=3, value_bits=20).bound.rated_ciphertexts() >= 2**62
 
 
 def test_client_view_is_statistically_independent_of_the_message(keys, client):
     private, public = keys
     server = RefreshServer(public, rng=np.random.default_rng(3))  # reproducible masks
-    bound = 2.0**-40
-    assert server.statistical_distance_bound(2.0**10, SCALE) <= bound
+    assert server.bound.per_coefficient <= 2.0**-60
     big = 2.0**server.mask_bits
 
     first = np.random.default_rng(4).uniform(-300, 300, 4096)
@@ -409,13 +448,13 @@ def test_client_view_is_statistically_independent_of_the_message(keys, client):
         plain = observe_masked(client, ciphertext).astype(np.float64)  # unmasked m + e
         # Coefficients are bounded by scale * max |slot| (canonical embedding), far below B.
         assert np.abs(plain).max() <= ciphertext.scale * np.abs(values).max() * (1 + 1e-9)
-        assert np.abs(plain).max() < big * 2.0**-40
+        assert np.abs(plain).max() < server.bound.value_bound
         plains.append(plain)
         views.append(observe_masked(client, server.mask(ciphertext)[0]).astype(np.float64))
 
     for view, plain in zip(views, plains, strict=True):
         scaled = view / big
-        assert np.abs(scaled).max() <= 1.0 + 2.0**-40 and np.abs(scaled).max() > 0.5
+        assert np.abs(scaled).max() <= 1.0 + 2.0**-60 and np.abs(scaled).max() > 0.5
         assert abs(scaled.mean()) < 0.05  # standard error 1 / sqrt(3 * 8192) ~ 0.006
         assert scaled.std() == pytest.approx(1 / np.sqrt(3), rel=0.05)
         assert abs(np.corrcoef(view, plain)[0, 1]) < 0.05
@@ -469,9 +508,11 @@ def test_unrelinearised_ciphertext_and_garbage_bytes_are_refused(keys, server):
 @pytest.mark.parametrize(
     ("bits", "options", "message"),
     [
-        ((60, 40, 60), {}, "at least three data primes"),
+        ((60, 40, 60), {}, "at least 3 data primes"),
         ((30, 20, 40, 60), {}, "no room for the mask"),
-        (SMALL, {"mask_bits": 96}, "does not fit"),
+        # the chain before the per-run budget: one ciphertext alone is 2^-33 from the mask
+        ((58, 40, 40, 60), {}, "no room for the mask"),
+        (SMALL, {"mask_bits": 116}, "does not fit"),
         (SMALL, {"mask_bits": 60}, "no room for the mask"),
     ],
 )
@@ -479,3 +520,105 @@ def test_parameters_without_room_for_the_mask(bits, options, message):
     _, public = _contexts(8192, bits)
     with pytest.raises(CryptoParameterError, match=message):
         RefreshServer(public, **options)
+
+
+# --- the run's budget and the key holder's range check (issue 19, defect 4) ----------------
+
+
+def test_before_the_budget_a_run_was_far_from_2_to_the_minus_40():
+    """The attack's condition, computed: the chain the refresh had before (q0 q1 of 98 bits,
+    B = 2^95) hides a calibrated value (2^10 at scale 2^40) to 2^-46 per coefficient but 2^-33
+    per ciphertext, so one block of the embedded model (1,797 refreshed ciphertexts at N = 8192)
+    is 2^-22 from masks alone and 20 rounds are far worse: the refresh level now refuses it."""
+    _, public = _contexts(8192, (58, 40, 40, 60))
+    chain = _chain_of(public)
+    old = RefreshBound.for_modulus(8192, chain.refresh_modulus, 2**50, mask_bits=95)
+    assert math.log2(old.per_coefficient) == pytest.approx(-46, abs=0.01)
+    assert math.log2(old.per_ciphertext) == pytest.approx(-33, abs=0.01)
+    assert old.run_bound(1797) > 2.0**-23 > RUN_DISTANCE_BUDGET
+    assert old.rated_ciphertexts() == 0
+    with pytest.raises(CryptoParameterError, match="no room for the mask"):
+        RefreshServer(public)
+
+
+def test_bound_and_accountant_arithmetic(server, client):
+    bound = server.bound
+    assert bound == client.bound  # both sides derive it from the parameter set
+    assert bound.value_bound == 2**54 and bound.mask_bits == 115  # q0 q1 of 118 bits
+    assert 2 * 2**bound.mask_bits + bound.value_bound < bound.refresh_modulus // 2
+    assert 2 * 2 ** (bound.mask_bits + 1) + bound.value_bound >= bound.refresh_modulus // 2
+    assert bound.per_coefficient == 2.0**54 / (2.0**116 + 1)
+    assert bound.per_ciphertext == 8192 * bound.per_coefficient
+    rated = bound.rated_ciphertexts()
+    assert rated == 512  # 2^-40 / 2^-49: N = 8192 leaves no room for long runs at 2^-40
+    assert bound.run_bound(rated) <= RUN_DISTANCE_BUDGET < bound.run_bound(rated + 1)
+    assert bound.rated_ciphertexts(2.0**-30) == 2**19  # what ckks-8192 is rated for
+    described = bound.describe()
+    assert described["rated_refreshed_ciphertexts"] == rated
+    assert described["log2_distance_per_ciphertext"] == pytest.approx(-49, abs=1e-6)
+
+    budget = RefreshBudget(bound, budget=3.5 * bound.per_ciphertext)
+    assert budget.rated == 3
+    budget.charge(2)
+    with pytest.raises(
+        CryptoParameterError, match=r"budget exhausted: .* 2 refreshed .* rated for 3"
+    ):
+        budget.charge(2)
+    assert budget.charged == 2 and budget.remaining == 1  # a refused charge changes nothing
+    budget.charge(1)
+    assert budget.spent == pytest.approx(3 * bound.per_ciphertext)
+    with pytest.raises(CryptoParameterError, match="budget must be in"):
+        RefreshBudget(bound, budget=0.0)
+
+
+def test_server_refuses_to_mask_past_the_rated_run(keys):
+    private, public = keys
+    server = RefreshServer(public)
+    server.budget = RefreshBudget(server.bound, budget=2.5 * server.bound.per_ciphertext)
+    ciphertexts = [_times(public, _encrypt(private, np.ones(4)), 1.0) for _ in range(3)]
+    server.mask_many(ciphertexts[:2])
+    with pytest.raises(CryptoParameterError, match="refresh budget exhausted"):
+        server.mask(ciphertexts[2])
+    assert server.budget.charged == 2
+
+
+def test_key_holder_refuses_exactly_the_views_outside_b_plus_t(keys):
+    """Detection: the client refuses a refresh iff a coefficient it sees lies outside
+    [-(B + T), B + T]. A value far beyond the bound (a constant, so its one coefficient is
+    scale * value) is refused whatever the mask; the old client (no check) answered it."""
+    private, public = keys
+    server = RefreshServer(public, rng=np.random.default_rng(7))
+    client = RefreshClient(private)
+    bound = server.bound
+    unchecked = RefreshClient(private)
+    unchecked._check_range = lambda lifted: None  # the client before this check
+
+    def refresh_constant(value: float, who: RefreshClient):
+        ciphertext = _times(public, _encrypt(private, np.full(4096, value)), 1.0)
+        masked, _ = server.mask(ciphertext)
+        view = np.asarray(who.observe(masked), dtype=object)
+        try:
+            who.refresh(masked)
+        except ProtocolError as error:
+            return view, str(error)
+        return view, None
+
+    within = 2.0**server.value_bits / 2  # inside the calibration: never refused
+    view, error = refresh_constant(within, client)
+    assert error is None and max(abs(int(x)) for x in view) <= bound.accepted
+    # beyond 2B + T (at scale 2^40: slot values of 2^76): refused with certainty
+    huge = (2.0 * 2**bound.mask_bits + 2.0 * bound.value_bound) / SCALE
+    view, error = refresh_constant(huge, client)
+    assert error is not None and "refusing a refresh" in error and "calibrated bound" in error
+    assert abs(int(view[0])) > bound.accepted
+    _, error = refresh_constant(huge, unchecked)
+    assert error is None  # the old behaviour: silently answered
+    # in between, the rule is exactly "some |coefficient| > B + T"
+    outcomes = set()
+    for fraction in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5):
+        value = fraction * 2.0**bound.mask_bits / SCALE
+        view, error = refresh_constant(value, client)
+        outside = max(abs(int(x)) for x in view) > bound.accepted
+        assert (error is not None) == outside
+        outcomes.add(outside)
+    assert outcomes == {True, False}
