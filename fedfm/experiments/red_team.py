@@ -15,6 +15,7 @@ student of a work folder, as ``fedfm bench-extraction`` does.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -529,6 +530,82 @@ def extraction_attacks(
     ]
 
 
+# -- 4. and 5. what the key holder sees of the server's computation --------------------------------
+
+# A default run of the embedded model before the budget: 1,797 refreshed ciphertexts per block
+# evaluation (results of bench-ckks then), 4 blocks trained and evaluated, 20 rounds.
+PREVIOUS_RUN_CIPHERTEXTS = 1797 * 4 * 2 * 20
+
+
+def refresh_distance_per_run() -> AttackResult:
+    """A curious key holder learns from the masked refreshes what the masks fail to hide: the
+    statistical distance of its whole run's view from masks alone."""
+    from fedfm.crypto import CKKS_8192_REFRESH, CKKS_16384, CkksBackend
+    from fedfm.crypto.refresh import RefreshBound
+
+    def bound(params: Any) -> RefreshBound:
+        owner = CkksBackend(params).create_key_owner()
+        return owner._refresher.bound  # the harness reads both sides; the library never does
+
+    deployed = bound(CKKS_16384)
+    budget = 2.0**-CKKS_16384.run_budget_bits
+    value = math.log2(deployed.run_bound(deployed.rated_ciphertexts(budget)))
+    # the chain before the budget: a refresh level of q0 q1 = 98 bits, B = 2^95, T = 2^50
+    previous = RefreshBound(8192, 2**50, 95, 2**98)
+    control = math.log2(previous.run_bound(PREVIOUS_RUN_CIPHERTEXTS))
+    small = bound(CKKS_8192_REFRESH)
+    small_budget = 2.0**-CKKS_8192_REFRESH.run_budget_bits
+    return AttackResult(
+        name="refresh_distance_per_run",
+        target="the data owner's intermediate values inside the server's blocks",
+        adversary="curious client (the key holder) against its own masked refreshes",
+        outcome=DEFENDED if value <= -40 else SUCCEEDS,
+        figure="log2 of the statistical distance of a whole run's refreshes from masks alone "
+        "(deployment set ckks, at the longest run its accountant allows)",
+        value=value,
+        control=control,
+        test="tests/crypto/test_refresh.py::test_bound_and_accountant_arithmetic",
+        detail=(
+            f"ckks: 2^{math.log2(deployed.per_ciphertext):.0f} per ciphertext, accountant "
+            "refuses past 2^-40; control: the chain before the budget over a default 20-round "
+            f"run ({PREVIOUS_RUN_CIPHERTEXTS} refreshed ciphertexts); ckks-8192 (CI set) is "
+            f"rated for 2^{-CKKS_8192_REFRESH.run_budget_bits} only, "
+            f"{small.rated_ciphertexts(small_budget)} refreshed ciphertexts per key"
+        ),
+    )
+
+
+def circuit_privacy_distinguisher(trials: int = 40) -> AttackResult:
+    """The key holder tells two Benes swap-mask choices (same plaintext) apart from the
+    ciphertexts it receives: from ``c1`` (before release) and from the decrypted noise."""
+    from fedfm.experiments import circuit_privacy as privacy
+
+    arena = privacy.build_arena()
+    control = privacy.c1_replay_rate(arena, released=False)
+    value = privacy.noise_distinguisher_rate(arena, trials=trials, seed=2)
+    bound = privacy.distance_bound(arena)
+    # at chance: within 3.2 standard errors of a coin over ``trials`` flips
+    chance = abs(value - 0.5) <= 3.2 * 0.5 / math.sqrt(trials)
+    return AttackResult(
+        name="circuit_privacy_distinguisher",
+        target="the server's secrets inside its computation (here Benes swap masks)",
+        adversary="curious client (the key holder)",
+        outcome=DEFENDED if chance and bound < 2**-6 else SUCCEEDS,
+        figure=f"the key holder's success rate naming the secret from released ciphertexts "
+        f"({trials} trials; 0.5 is chance)",
+        value=value,
+        control=control,
+        test="tests/crypto/test_circuit_privacy.py::"
+        "test_rerandomising_alone_leaves_the_noise_to_read_flooding_hides_it",
+        detail=(
+            "control: c1 matched against the key holder's replays before release (lowest level, "
+            "fresh encryption of zero, Gaussian flood 2^20); the flood's statistical distance "
+            f"between the two views is 2^{math.log2(bound):.1f}: a weak parameter, not 2^-40 "
+            "(which would cost about 2^19 in every slot at scale 2^40)"
+        ),
+    )
+
+
 # -- 3. secure aggregation against an active server -----------------------------------------------
 
 
@@ -616,6 +693,8 @@ ARENA_ATTACKS: dict[str, ArenaAttack] = {
     "loss_decryption_oracle": loss_decryption_oracle,
 }
 STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
+    "refresh_distance_per_run": refresh_distance_per_run,
+    "circuit_privacy_distinguisher": circuit_privacy_distinguisher,
     "secagg_key_substitution": secagg_key_substitution,
     "secagg_false_dropouts": secagg_false_dropouts,
     "relay_pin_injection": relay_pin_injection,

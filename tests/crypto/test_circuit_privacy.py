@@ -16,89 +16,52 @@ import math
 
 import numpy as np
 import pytest
-import tenseal as ts
 import torch
 
 from fedfm.crypto import CKKS_8192_REFRESH, ModelGeometry, run_locally
 from fedfm.crypto.backend import drive
 from fedfm.crypto.ckks import CkksBackend, CkksBatch, CkksEvaluator, CkksKeyOwner
-from fedfm.crypto.seal_raw import read_ciphertext
 from fedfm.crypto.simulate import SimulateBackend
 from fedfm.errors import CryptoParameterError
+from fedfm.experiments import circuit_privacy as privacy
 from tests.helpers import tiny_fhe_vit
 
 pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
 
-GEOMETRY = ModelGeometry(tokens=5, patch_size=4)
-# Samples 0 = 1 and 2 = 3: both orders give [A, A, B, B], through one Benes layer each.
-HYPOTHESES = (np.array([0, 1, 3, 2]), np.array([1, 0, 2, 3]))
+GEOMETRY = privacy.GEOMETRY
+HYPOTHESES = privacy.HYPOTHESES
 
 
 @pytest.fixture(scope="module")
-def owner() -> CkksKeyOwner:
-    return CkksBackend(CKKS_8192_REFRESH).create_key_owner(geometry=GEOMETRY)
-
-
-def _evaluator(owner: CkksKeyOwner, **changes: int) -> CkksEvaluator:
-    params = dataclasses.replace(CKKS_8192_REFRESH, **changes)
-    return CkksBackend(params).create_evaluator(owner.public_context(), GEOMETRY)
+def arena() -> privacy.Arena:
+    return privacy.build_arena()
 
 
 @pytest.fixture(scope="module")
-def server(owner: CkksKeyOwner) -> CkksEvaluator:
-    return _evaluator(owner)
+def owner(arena) -> CkksKeyOwner:
+    return arena.owner
 
 
 @pytest.fixture(scope="module")
-def upload(owner: CkksKeyOwner) -> CkksBatch:
-    values = np.random.default_rng(0).uniform(-3.0, 3.0, size=(4, 5, 2))
-    values[1], values[3] = values[0], values[2]
-    return owner.encrypt(values)
+def server(arena) -> CkksEvaluator:
+    return arena.server
 
 
-def _replays(owner: CkksKeyOwner, upload: CkksBatch) -> list[CkksBatch]:
-    """The key holder's replay of each hypothesis, on its own evaluator and upload."""
-    mine = CkksBackend(CKKS_8192_REFRESH).create_evaluator(owner.public_context(), GEOMETRY)
-    batch = mine.load(upload.to_payload())
-    return [run_locally(mine.take(batch, order), mine, owner) for order in HYPOTHESES]
+@pytest.fixture(scope="module")
+def upload(arena) -> CkksBatch:
+    return arena.upload
 
 
-def _c1(batch: CkksBatch) -> list[np.ndarray]:
-    return [read_ciphertext(ct).data[1] for feature in batch.tensor for ct in feature]
+_evaluator = privacy.evaluator
+_replays = privacy.replays
+_c1 = privacy.c1_polynomials
+_coefficients = privacy.coefficients
 
 
-def _coefficients(owner: CkksKeyOwner, batch: CkksBatch) -> np.ndarray:
-    """What the key holder decrypts, as centered integer coefficients modulo q0 (one row per
-    ciphertext): every level shares q0."""
-    rows = []
-    for feature in batch.tensor:
-        for ct in feature:
-            plain = ts.sealapi.Plaintext()
-            owner._decryptor.decrypt(ct, plain)
-            raw = owner._io.read_plaintext(plain)
-            primes = raw.data.size // 8192
-            coefficients = owner._io.from_ntt(raw.parms_id, raw.data.reshape(1, primes, 8192))
-            q0 = int(owner._seal.first_context_data().parms().coeff_modulus()[0].value())
-            row = coefficients[0, 0].astype(object)
-            rows.append(np.where(row > q0 // 2, row - q0, row).astype(np.float64))
-    return np.stack(rows)
-
-
-def _received(
-    owner: CkksKeyOwner,
-    server: CkksEvaluator,
-    upload: CkksBatch,
-    secret: int,
-    *,
-    released: bool = True,
-) -> CkksBatch:
-    """What the key holder receives when the server permutes with hypothesis ``secret``."""
-    out = run_locally(
-        server.take(server.load(upload.to_payload()), HYPOTHESES[secret]), server, owner
+def _received(owner, server, upload, secret: int, *, released: bool = True) -> CkksBatch:
+    return privacy.received(
+        privacy.Arena(owner, server, upload), secret, server=server, released=released
     )
-    if not released:  # the behaviour before circuit privacy: the computed ciphertexts as they are
-        out = dataclasses.replace(out, releaser=None)
-    return owner.load(out.to_payload())
 
 
 def test_without_release_the_key_holder_reads_the_swap_masks_off_c1(owner, server, upload):
@@ -118,16 +81,9 @@ def test_without_release_the_key_holder_reads_the_swap_masks_off_c1(owner, serve
 
 
 def _noise_distinguisher(owner, server, upload, trials: int, seed: int) -> float:
-    """The key holder's best guess from the decrypted noise: the hypothesis whose exactly
-    replayed decryption is nearest (l2) to what it decrypts. Returns its success rate."""
-    expected = [_coefficients(owner, replay) for replay in _replays(owner, upload)]
-    secrets = np.random.default_rng(seed).integers(0, 2, size=trials)
-    right = 0
-    for secret in secrets:
-        got = _coefficients(owner, _received(owner, server, upload, int(secret)))
-        distances = [np.linalg.norm(got - e) for e in expected]
-        right += int(np.argmin(distances) == secret)
-    return right / trials
+    return privacy.noise_distinguisher_rate(
+        privacy.Arena(owner, server, upload), trials=trials, seed=seed, server=server
+    )
 
 
 def test_rerandomising_alone_leaves_the_noise_to_read_flooding_hides_it(owner, server, upload):

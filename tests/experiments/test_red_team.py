@@ -69,6 +69,19 @@ def test_loss_decryption_oracle(arena: Arena) -> None:
     assert result.value == float("inf")  # refused
 
 
+@pytest.mark.ckks
+def test_key_holder_rows_report_the_refresh_budget_and_circuit_privacy() -> None:
+    """The rows for defects 4 and 5 (their own tests: tests/crypto/test_refresh.py and
+    test_circuit_privacy.py): the deployment set's run stays within 2^-40 where the previous
+    chain was near 2^-15 over a default run; the key holder names the server's swap masks from
+    c1 every time before release and at chance after it."""
+    refresh = red_team.refresh_distance_per_run()
+    assert refresh.outcome == DEFENDED and refresh.value <= -40 and refresh.control > -16
+    privacy = red_team.circuit_privacy_distinguisher(trials=20)
+    assert privacy.control == 1.0 and privacy.outcome == DEFENDED
+    assert abs(privacy.value - 0.5) <= 3.2 * 0.5 / 20**0.5
+
+
 def test_secagg_rows_report_the_active_server_attacks() -> None:
     """The rows the red team writes for SecAgg+ (the attacks' own tests live in
     tests/secagg/test_active_server.py): key substitution is defended by signed keys, false
