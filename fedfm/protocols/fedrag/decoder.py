@@ -132,6 +132,38 @@ class Geometry:
         return self.heads // self.kv_heads
 
 
+def capture_qkv(run: Callable[[], Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run ``run`` (one layer's forward) up to its attention; its ``q, k, v`` (batch 0)."""
+
+    def capture(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _: float) -> torch.Tensor:
+        raise _Captured(q[0], k[0], v[0])
+
+    token = _HOOK.set(capture)
+    try:
+        with torch.no_grad():
+            run()
+    except _Captured as captured:
+        return captured.q.numpy().copy(), captured.k.numpy().copy(), captured.v.numpy().copy()
+    finally:
+        _HOOK.reset(token)
+    raise InvariantError("the layer never called its attention")
+
+
+def with_attention(run: Callable[[], torch.Tensor], attend: Attend) -> torch.Tensor:
+    """Run ``run`` (one layer's forward) with its attention answered by ``attend``."""
+
+    def answer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _: float) -> torch.Tensor:
+        out = attend(q[0], k[0], v[0]).to(q.dtype)
+        return out.unsqueeze(0).transpose(1, 2).contiguous()
+
+    token = _HOOK.set(answer)
+    try:
+        with torch.no_grad():
+            return run()
+    finally:
+        _HOOK.reset(token)
+
+
 class DecoderRunner:
     """A causal LM (Llama-style: ``model.model.layers``, ``rotary_emb``, ``norm``;
     ``model.lm_head``) run one layer at a time; see the module docstring."""
@@ -159,6 +191,7 @@ class DecoderRunner:
         )
         self.scaling = float(inner.layers[0].self_attn.scaling)
         self.fingerprint = model_fingerprint(model)
+        self.tokenizer: Any = None  # set by runner_for
 
     def _positions(self, hidden: torch.Tensor, positions: np.ndarray) -> Any:
         ids = torch.as_tensor(np.asarray(positions, dtype=np.int64)).unsqueeze(0)
@@ -191,18 +224,7 @@ class DecoderRunner:
         self, layer: int, hidden: np.ndarray, positions: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The layer's post-RoPE ``q (heads, n, d)``, ``k``, ``v (kv_heads, n, d)``."""
-
-        def capture(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _: float) -> torch.Tensor:
-            raise _Captured(q[0], k[0], v[0])
-
-        token = _HOOK.set(capture)
-        try:
-            self._run_layer(layer, hidden, positions)
-        except _Captured as captured:
-            return captured.q.numpy().copy(), captured.k.numpy().copy(), captured.v.numpy().copy()
-        finally:
-            _HOOK.reset(token)
-        raise InvariantError(f"layer {layer} of the decoder never called its attention")
+        return capture_qkv(lambda: self._run_layer(layer, hidden, positions))
 
     @torch.no_grad()
     def finish(
@@ -210,16 +232,8 @@ class DecoderRunner:
     ) -> np.ndarray:
         """The layer's output ``(n, hidden)`` with its attention given by ``attend(q, k, v)``
         (``(heads, n, d)`` in, ``(heads, n, d)`` out)."""
-
-        def answer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _: float) -> torch.Tensor:
-            out = attend(q[0], k[0], v[0]).to(q.dtype)
-            return out.unsqueeze(0).transpose(1, 2).contiguous()
-
-        token = _HOOK.set(answer)
-        try:
-            return self._run_layer(layer, hidden, positions)[0].numpy().copy()
-        finally:
-            _HOOK.reset(token)
+        output = with_attention(lambda: self._run_layer(layer, hidden, positions), attend)
+        return output[0].numpy().copy()
 
     @torch.no_grad()
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -243,5 +257,7 @@ def runner_for(source: Any) -> tuple[DecoderRunner, Any]:
 
             register()
             model, tokenizer = load_decoder(source, attn_implementation=ATTENTION, progress=False)
-            _RUNNERS[key] = (DecoderRunner(model), tokenizer)
+            runner = DecoderRunner(model)
+            runner.tokenizer = tokenizer
+            _RUNNERS[key] = (runner, tokenizer)
         return _RUNNERS[key]
