@@ -10,6 +10,7 @@
 ``fedfm train-llm``  the embedded decoder LLM (FedRAG, SLIP, CENTAUR): train once, cache, report.
 ``fedfm bench-fedrag``  FedRAG vs secret sharing vs plaintext: TTFT, tok/s, traffic, accuracy.
 ``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler on a docstring task.
+``fedfm fedrag-attacks``  FedRAG §6: the compute node's attacks on the scrambler, as curves.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
@@ -848,7 +849,21 @@ def build_parser() -> argparse.ArgumentParser:
     ablation.add_argument("--queries", type=int, default=40, help="queries (40)")
     ablation.add_argument("--tokens", type=int, default=8, help="generated tokens (8)")
     ablation.set_defaults(handler=_fedrag_ablation)
+
+    attacks = commands.add_parser(
+        "fedrag-attacks",
+        help="FedRAG §6: kNN overlap vs rows and scaling range (with bf16 error), ICA, known "
+        "plaintext",
+    )
+    attacks.add_argument("--results-dir", type=Path, default=Path("results"))
+    attacks.set_defaults(handler=_fedrag_attacks)
     return parser
+
+
+def _fedrag_attacks(args: argparse.Namespace) -> None:
+    from fedfm.experiments.fedrag_attacks import run_fedrag_attacks
+
+    run_fedrag_attacks(results_dir=args.results_dir)
 
 
 def _fedrag_arguments(parser: argparse.ArgumentParser) -> None:
