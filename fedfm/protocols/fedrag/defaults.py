@@ -21,6 +21,5 @@ DEFAULTS: dict[str, ConfigValue] = {
     "top-m": 2,  # documents after re-ranking (global)
     "decoder": "llama_fedfm_tiny",  # an embedded decoder name, a folder or a hub name
     "decoder-cache": "runs/cache",  # where `fedfm train-llm` cached the embedded decoder
-    "reranker-cache": "runs/cache",  # where `fedfm train-reranker` cached the relevance head
     "request": "0",  # the request's id: part of every key's purpose
 }

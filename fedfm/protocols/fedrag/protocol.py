@@ -64,7 +64,6 @@ class FedragSettings:
     top_m: int
     decoder: str
     decoder_cache: str
-    reranker_cache: str
     request: str
 
     def parameters(self) -> dict[str, ConfigValue]:
@@ -123,7 +122,6 @@ def settings_from_config(config: Mapping[str, ConfigValue] | None) -> FedragSett
         top_m=top_m,
         decoder=str(merged["decoder"]),
         decoder_cache=str(merged["decoder-cache"]),
-        reranker_cache=str(merged["reranker-cache"]),
         request=str(merged["request"]),
     )
 
