@@ -311,3 +311,145 @@ def test_a_prompt_past_the_context_is_refused(micro: DecoderSource) -> None:
     segs[COORDINATOR] = np.full(30, 5)
     with pytest.raises(ProtocolError, match="past the model's context"):
         run_generation(micro, segs, tokens=2)
+
+
+# -- retrieval, re-ranking, the rag stage, the Flower app -----------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_app_toml_matches_the_defaults() -> None:
+    import tomllib
+
+    from fedfm.protocols.fedrag.defaults import DEFAULTS
+    from fedfm.runtime.settings import RUN_CONFIG_DEFAULTS
+
+    app = tomllib.loads((ROOT / "simulations" / "fedrag" / "pyproject.toml").read_text())
+    # a round trip may include a node's first model load: the app allows 600 s, not 60
+    assert app["tool"]["flwr"]["app"]["config"] == {**RUN_CONFIG_DEFAULTS, "timeout": 600.0, **DEFAULTS}
+    assert app["tool"]["flwr"]["app"]["components"] == {
+        "serverapp": "fedfm_strategies.fedrag:app",
+        "clientapp": "fedfm_clients.fedrag:app",
+    }
+
+
+@pytest.mark.ckks
+def test_ckks_scores_equal_plaintext_and_hide_partial_sums() -> None:
+    from fedfm.errors import CryptoParameterError
+    from fedfm.protocols.fedrag.retrieval import IndexEvaluator, QueryKeys, plaintext_scores
+
+    rng = np.random.default_rng(5)
+    index = rng.normal(size=(19, 384))
+    index /= np.linalg.norm(index, axis=1, keepdims=True)
+    query = index[3] + 0.2 * rng.normal(size=384)
+    keys = QueryKeys.generate()
+    payload = IndexEvaluator(keys.public_context()).scores(keys.encrypt_query(query), index)
+    assert np.abs(keys.decrypt_scores(payload, 19) - plaintext_scores(query, index)).max() < 1e-4
+    # every slot but the block totals is masked to zero: no partial sums of the owner's rows
+    from fedfm.crypto import load_list
+
+    ciphertexts = load_list(payload, keys._io, keys.fingerprint)
+    import tenseal.sealapi as sealapi
+
+    plain = sealapi.Plaintext()
+    keys._decryptor.decrypt(ciphertexts[0], plain)
+    values = np.asarray(keys._encoder.decode_double(plain)).reshape(-1, 512)
+    assert np.abs(values[:, 1:]).max() < 1e-4
+    secret = keys.secret_state()
+    with pytest.raises(CryptoParameterError, match="secret key"):
+        IndexEvaluator(secret)
+
+
+@pytest.mark.slow
+def test_scrambled_reranking_equals_the_plaintext_cross_encoder() -> None:
+    from fedfm.protocols.fedrag.attention import attention_with_lse
+    from fedfm.protocols.fedrag.reranking import encoder_runner, features
+    from fedfm.protocols.fedrag.scrambler import draw_attention_keys, token_permutation
+
+    encoder = encoder_runner()
+    query = encoder.query_ids("return the path joined with the given names")
+    document = encoder.document_ids("Join two or more pathname components, inserting '/' as needed.")
+    expected = encoder.joint_features(query, document)
+    hq, hd = encoder.embed(query, 0, 0), encoder.embed(document, 1, len(query))
+    for layer in range(encoder.layers):
+        parts = {}
+        for mine, other in ((hq, hd), (hd, hq)):
+            keys = draw_attention_keys(LocalRandomness(), f"l{layer}", heads=encoder.heads, head_dim=encoder.head_dim)
+            q, _, _ = encoder.qkv(layer, mine)
+            _, k, v = encoder.qkv(layer, other)
+            order = token_permutation(q.shape[1])
+            out, lse = attention_with_lse(
+                keys.scramble_queries(q.astype(np.float64))[:, order],
+                keys.scramble_keys(k.astype(np.float64)), keys.scramble_values(v.astype(np.float64)),
+                scaling=encoder.scaling,
+            )  # fmt: skip
+            restored, restored_lse = np.empty_like(out.numpy()), np.empty_like(lse.numpy())
+            restored[:, order], restored_lse[:, order] = out.numpy(), lse.numpy()
+            parts[id(mine)] = [(torch.from_numpy(keys.unscramble_outputs(restored).astype(np.float32)), torch.from_numpy(restored_lse.astype(np.float32)))]
+        hq, hd = encoder.finish(layer, hq, parts[id(hq)]), encoder.finish(layer, hd, parts[id(hd)])
+    assert np.abs(features(hq) - expected).max() < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.ckks
+@pytest.mark.parametrize("retrieval", ["private", "faithful"])
+def test_rag_stage_retrieves_reranks_and_generates(micro: DecoderSource, retrieval: str) -> None:
+    from fedfm.experiments.fedrag_data import build_data, embed
+    from fedfm.protocols.fedrag.rag import join_documents
+    from fedfm.protocols.fedrag.retrieval import plaintext_scores, top_k
+
+    data = build_data(per_owner=20, questions=2)
+    question = data.questions[0]
+    key = os.urandom(32)
+    inputs: dict[str, dict[str, np.ndarray]] = {}
+    indexes = []
+    for number, documents in enumerate(data.owners):
+        texts = [d.text for d in documents]
+        indexes.append(embed(texts))
+        inputs[f"owner_{number}"] = {"documents": join_documents(texts), "index": indexes[-1]}
+    query = embed([question.query])[0]
+    head = np.zeros(2 * 384)
+    inputs[COORDINATOR] = {
+        # the micro decoder's context is 32 tokens: a short prompt (retrieval uses the embedding)
+        "query_text": np.frombuffer(" ".join(question.query.split()[:3]).encode(), np.uint8),
+        "query_embedding": query,
+        "reranker_weight": head,  # a constant head: the re-ranker keeps the retrieval order
+        "reranker_bias": np.zeros(1),
+        "report_key": np.frombuffer(key, np.uint8),
+    }
+    config = {"stage": "rag", "retrieval": retrieval, "max-new-tokens": 2, "top-k": 3, "top-m": 1}
+    # a micro decoder has a 32-token context: cut the segments to fit
+    from fedfm.protocols.fedrag import rag
+
+    previous, rag.DOCUMENT_TOKENS = rag.DOCUMENT_TOKENS, 6
+    try:
+        result = InProcessFederation(fedrag(config, decoders=micro), inputs, placement=RolePlan(2, "dedicated").placement(4)).run()
+    finally:
+        rag.DOCUMENT_TOKENS = previous
+    report = open_report(key, result.outputs[COORDINATOR]["report"])
+    scores = [(s, o, i) for o, idx in enumerate(indexes) for i, s in enumerate(plaintext_scores(query, idx))]
+    best = sorted(scores, key=lambda t: (-t[0], t[1], t[2]))[:3]
+    assert np.allclose(report["retrieval_scores"], [s for s, _, _ in best], atol=1e-4)
+    assert (int(report["selected_owner"][0]), int(report["selected_document"][0])) == best[0][1:]
+    assert report["tokens"].shape == (2,)
+    del top_k
+
+
+@pytest.mark.slow
+def test_flwr_run_simulation_on_four_supernodes_equals_plaintext(micro: DecoderSource, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "workspace"
+    command = [sys.executable, str(ROOT / "simulations" / "fedrag" / "run.py"), "--tokens", "3"]
+    command += ["--decoder", str(micro.path), "--workspace", str(workspace)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    assert "flwr run: finished:completed; SuperLink stopped" in output
+    assert "tokens identical to plaintext RAG" in output
+    import json
+
+    result = json.loads((workspace / "result.json").read_text())
+    assert set(result["placement"]) == {"coordinator", "owner_0", "owner_1", "compute"}
+    assert len(set(result["placement"].values())) == 4
