@@ -9,7 +9,7 @@
 ``fedfm red-team``  every attack on fedfm's promises against the current code, with its outcome.
 ``fedfm train-llm``  the embedded decoder LLM (FedRAG, SLIP, CENTAUR): train once, cache, report.
 ``fedfm bench-fedrag``  FedRAG vs secret sharing vs plaintext: TTFT, tok/s, traffic, accuracy.
-``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler on a docstring task.
+``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler (docstrings).
 ``fedfm fedrag-attacks``  FedRAG §6: the compute node's attacks on the scrambler, as curves.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.

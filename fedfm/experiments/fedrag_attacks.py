@@ -49,7 +49,11 @@ NEIGHBOURS = 10
 def _scramble_keys(x: np.ndarray, key: Scrambler, *, permute: bool = True) -> np.ndarray:
     """What the compute node holds: ``x S^{-T}`` with its rows in a random order."""
     out = key.inverse_transpose(np.asarray(x, dtype=np.float64))
-    return out[np.random.default_rng(int.from_bytes(os.urandom(8), "big")).permutation(len(out))] if permute else out
+    return (
+        out[np.random.default_rng(int.from_bytes(os.urandom(8), "big")).permutation(len(out))]
+        if permute
+        else out
+    )
 
 
 def _abs_cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -70,24 +74,39 @@ def hungarian_mean_abs_cos(recovered: np.ndarray, truth: np.ndarray) -> float:
     return float(similarity[rows, cols].mean())
 
 
-def ica_attack(x: np.ndarray, *, kind: str = "structured", scaling_range: float = DEFAULT_SCALING_RANGE, seed: int = 0) -> dict[str, float]:
+def ica_attack(
+    x: np.ndarray,
+    *,
+    kind: str = "structured",
+    scaling_range: float = DEFAULT_SCALING_RANGE,
+    seed: int = 0,
+) -> dict[str, float]:
     """FastICA on ``x S^{-T}`` (rows unpermuted: ICA ignores row order), on Laplace sources under
     the same ``S`` (positive control) and Gaussian guesses (random control)."""
     from sklearn.decomposition import FastICA
 
     x = np.asarray(x, dtype=np.float64)
     rng = np.random.default_rng(seed)
-    key = draw_scrambler(LocalRandomness(), "ica", x.shape[1], kind=kind, scaling_range=scaling_range)
+    key = draw_scrambler(
+        LocalRandomness(), "ica", x.shape[1], kind=kind, scaling_range=scaling_range
+    )
 
     def recover(observed: np.ndarray) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return FastICA(n_components=observed.shape[1], random_state=seed, max_iter=200, whiten="unit-variance").fit_transform(observed)
+            return FastICA(
+                n_components=observed.shape[1],
+                random_state=seed,
+                max_iter=200,
+                whiten="unit-variance",
+            ).fit_transform(observed)
 
     laplace = rng.laplace(size=x.shape)
     return {
         "scrambled": hungarian_mean_abs_cos(recover(_scramble_keys(x, key, permute=False)), x),
-        "laplace_control": hungarian_mean_abs_cos(recover(_scramble_keys(laplace, key, permute=False)), laplace),
+        "laplace_control": hungarian_mean_abs_cos(
+            recover(_scramble_keys(laplace, key, permute=False)), laplace
+        ),
         "random_guess": hungarian_mean_abs_cos(rng.normal(size=x.shape), x),
     }
 
@@ -98,36 +117,69 @@ def knn_sets(x: np.ndarray, k: int = NEIGHBOURS) -> np.ndarray:
     return np.argsort(distances, axis=1)[:, :k]
 
 
-def knn_overlap(x: np.ndarray, *, kind: str = "structured", scaling_range: float = DEFAULT_SCALING_RANGE, k: int = NEIGHBOURS) -> float:
+def knn_overlap(
+    x: np.ndarray,
+    *,
+    kind: str = "structured",
+    scaling_range: float = DEFAULT_SCALING_RANGE,
+    k: int = NEIGHBOURS,
+) -> float:
     """Mean ``|kNN_plain(i) & kNN_scrambled(i)| / k`` over rows (rows aligned: the attacker's
     best case, as if it had undone the token permutation)."""
-    key = draw_scrambler(LocalRandomness(), "knn", x.shape[1], kind=kind, scaling_range=scaling_range)
-    plain, scrambled = knn_sets(np.asarray(x, np.float64), k), knn_sets(_scramble_keys(x, key, permute=False), k)
+    key = draw_scrambler(
+        LocalRandomness(), "knn", x.shape[1], kind=kind, scaling_range=scaling_range
+    )
+    plain, scrambled = (
+        knn_sets(np.asarray(x, np.float64), k),
+        knn_sets(_scramble_keys(x, key, permute=False), k),
+    )
     return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(plain, scrambled, strict=True)]))
 
 
-def known_plaintext_solve(x: np.ndarray, known: int, *, kind: str = "structured", scaling_range: float = DEFAULT_SCALING_RANGE) -> float:
+def known_plaintext_solve(
+    x: np.ndarray,
+    known: int,
+    *,
+    kind: str = "structured",
+    scaling_range: float = DEFAULT_SCALING_RANGE,
+) -> float:
     """Relative error of the other rows' recovery from ``known`` matched rows (least squares
     ``x S^{-T}`` -> ``x``); about 0 once ``known >= d`` (and the rows span the space)."""
     x = np.asarray(x, dtype=np.float64)
-    key = draw_scrambler(LocalRandomness(), "kpa", x.shape[1], kind=kind, scaling_range=scaling_range)
+    key = draw_scrambler(
+        LocalRandomness(), "kpa", x.shape[1], kind=kind, scaling_range=scaling_range
+    )
     scrambled = _scramble_keys(x, key, permute=False)
     solve, *_ = np.linalg.lstsq(scrambled[:known], x[:known], rcond=None)
     rest = slice(known, None)
     return float(np.linalg.norm(scrambled[rest] @ solve - x[rest]) / np.linalg.norm(x[rest]))
 
 
-def vocabulary_matching(values_by_token: np.ndarray, tokens: np.ndarray, *, kind: str, scaling_range: float = DEFAULT_SCALING_RANGE) -> float:
+def vocabulary_matching(
+    values_by_token: np.ndarray,
+    tokens: np.ndarray,
+    *,
+    kind: str,
+    scaling_range: float = DEFAULT_SCALING_RANGE,
+) -> float:
     """VMA: the fraction of scrambled value rows (of ``tokens``) matched to their true token by
     the sorted entries of ``values_by_token`` (``(vocab, d)``, one head, layer 0)."""
-    key = draw_scrambler(LocalRandomness(), "vma", values_by_token.shape[1], kind=kind, scaling_range=scaling_range)
+    key = draw_scrambler(
+        LocalRandomness(), "vma", values_by_token.shape[1], kind=kind, scaling_range=scaling_range
+    )
     observed = key.forward(values_by_token[tokens])  # values are scrambled by M: v M
     table = np.sort(values_by_token, axis=1)
     guesses = [int(np.argmin(np.abs(table - np.sort(row)).sum(1))) for row in observed]
     return float(np.mean(np.asarray(guesses) == tokens))
 
 
-def query_leakage(queries: np.ndarray, sources: np.ndarray, corpus: np.ndarray, *, seen: Sequence[dict[str, np.ndarray]] | None = None) -> float:
+def query_leakage(
+    queries: np.ndarray,
+    sources: np.ndarray,
+    corpus: np.ndarray,
+    *,
+    seen: Sequence[dict[str, np.ndarray]] | None = None,
+) -> float:
     """An owner's rate of finding each query's source document as the nearest neighbour of
     what it received. ``seen`` (per query, the arrays the owner got) is searched for a float
     vector of the corpus's width; without one (CKKS), its guess is a random document."""
@@ -136,9 +188,17 @@ def query_leakage(queries: np.ndarray, sources: np.ndarray, corpus: np.ndarray, 
     for number, source in enumerate(sources):
         vector = queries[number]
         if seen is not None:
-            floats = [a for a in seen[number].values() if a.dtype.kind == "f" and a.size == corpus.shape[1]]
+            floats = [
+                a
+                for a in seen[number].values()
+                if a.dtype.kind == "f" and a.size == corpus.shape[1]
+            ]
             vector = floats[0].reshape(-1) if floats else None  # type: ignore[assignment]
-        guess = int(np.argmax(corpus @ vector)) if vector is not None else int(rng.integers(len(corpus)))
+        guess = (
+            int(np.argmax(corpus @ vector))
+            if vector is not None
+            else int(rng.integers(len(corpus)))
+        )
         hits.append(guess == int(source))
     return float(np.mean(hits))
 
@@ -146,7 +206,9 @@ def query_leakage(queries: np.ndarray, sources: np.ndarray, corpus: np.ndarray, 
 # -- activations ---------------------------------------------------------------------------------
 
 
-def minilm_keys(texts: Sequence[str], *, layer: int = 2, head: int = 0, rows: int | None = None) -> np.ndarray:
+def minilm_keys(
+    texts: Sequence[str], *, layer: int = 2, head: int = 0, rows: int | None = None
+) -> np.ndarray:
     """The re-ranker's real keys (one head of one layer) for ``texts``, stacked."""
     from fedfm.protocols.fedrag.reranking import encoder_runner
 
@@ -155,7 +217,7 @@ def minilm_keys(texts: Sequence[str], *, layer: int = 2, head: int = 0, rows: in
     for text in texts:
         hidden = encoder.embed(encoder.document_ids(text), 1, 0)
         for current in range(layer + 1):
-            q, k, v = encoder.qkv(current, hidden)
+            _, k, _ = encoder.qkv(current, hidden)
             if current == layer:
                 found.append(k[head])
                 break
@@ -189,7 +251,15 @@ def _micro_runner(folder: Path) -> Any:
     source = DecoderSource(
         name="llama_fedfm_micro",
         cache_dir=folder,
-        training=replace(DecoderTraining(), steps=12, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=6, checkpoint_every=6),
+        training=replace(
+            DecoderTraining(),
+            steps=12,
+            batch_size=8,
+            lr=1e-2,
+            warmup_steps=2,
+            eval_every=6,
+            checkpoint_every=6,
+        ),
         text_root=stdlib_root() / "importlib",
     )
     if not source.path.exists():
@@ -218,42 +288,65 @@ def red_team_suite() -> list[AttackResult]:
     leak = _query_leakage_pair()
     return [
         AttackResult(
-            "fedrag_ica", "plaintext keys (re-ranker layer 2)", "compute node",
+            "fedrag_ica",
+            "plaintext keys (re-ranker layer 2)",
+            "compute node",
             SUCCEEDS if ica["scrambled"] > 0.8 else DEFENDED,
             f"Hungarian mean |cos| of FastICA components, {len(pooled)} rows (random guess "
             f"{ica['random_guess']:.2f})",
-            ica["scrambled"], ica["laplace_control"], f"{TESTS}::test_ica_recovers_laplace_not_keys",
+            ica["scrambled"],
+            ica["laplace_control"],
+            f"{TESTS}::test_ica_recovers_laplace_not_keys",
             "control: i.i.d. Laplace sources under the same scrambler",
-        ),  # fmt: skip
+        ),
         AttackResult(
-            "fedrag_knn_overlap", "neighbourhoods of plaintext keys (graph matching)", "compute node",
+            "fedrag_knn_overlap",
+            "neighbourhoods of plaintext keys (graph matching)",
+            "compute node",
             SUCCEEDS if knn > 0.5 else DEFENDED,
             f"kNN@{NEIGHBOURS} overlap, {len(keys)} rows, scaling range {DEFAULT_SCALING_RANGE:g}",
-            knn, knn_permutation, f"{TESTS}::test_knn_overlap_falls_with_scaling",
-            "control: the permutation-only scrambler (an isometry: overlap 1); see fedfm fedrag-attacks for the curve",
-        ),  # fmt: skip
+            knn,
+            knn_permutation,
+            f"{TESTS}::test_knn_overlap_falls_with_scaling",
+            "control: the permutation-only scrambler (an isometry: overlap 1); see fedfm "
+            "fedrag-attacks for the curve",
+        ),
         AttackResult(
-            "fedrag_known_plaintext", "the scrambler S of one layer and pair", "compute node",
+            "fedrag_known_plaintext",
+            "the scrambler S of one layer and pair",
+            "compute node",
             SUCCEEDS if at < 1e-6 else DEFENDED,
-            f"relative error of the other rows from d+4 = {d + 4} known rows (control: d/2 = {d // 2})",
-            at, below, f"{TESTS}::test_known_plaintext_needs_d_rows",
-            "succeeds with >= d_head matched rows; the token permutation and fresh keys per layer and "
-            "request leave the compute node about one predictable row (<s> at position 0) per layer",
-        ),  # fmt: skip
+            f"relative error of the other rows from d+4 = {d + 4} known rows "
+            f"(control: d/2 = {d // 2})",
+            at,
+            below,
+            f"{TESTS}::test_known_plaintext_needs_d_rows",
+            "succeeds with >= d_head matched rows; the token permutation and fresh keys per "
+            "layer and request leave the compute node about one predictable row (<s> at "
+            "position 0) per layer",
+        ),
         AttackResult(
-            "fedrag_vocabulary_matching", "tokens of an owner's segment (layer-0 values)", "compute node",
+            "fedrag_vocabulary_matching",
+            "tokens of an owner's segment (layer-0 values)",
+            "compute node",
             SUCCEEDS if vma > 0.5 else DEFENDED,
             "fraction of tokens recovered by sorted-value matching (VMA)",
-            vma, vma_control, f"{TESTS}::test_vma_beats_permutation_only_not_structured",
+            vma,
+            vma_control,
+            f"{TESTS}::test_vma_beats_permutation_only_not_structured",
             "control: the permutation-only variant",
-        ),  # fmt: skip
+        ),
         AttackResult(
-            "fedrag_query_leakage", "the coordinator's query (retrieval)", "context owner",
+            "fedrag_query_leakage",
+            "the coordinator's query (retrieval)",
+            "context owner",
             SUCCEEDS if leak[0] > 0.5 else DEFENDED,
             "rate of finding the query's source document as nearest neighbour (CKKS retrieval)",
-            leak[0], leak[1], f"{TESTS}::test_query_leakage_faithful_vs_private",
+            leak[0],
+            leak[1],
+            f"{TESTS}::test_query_leakage_faithful_vs_private",
             "control: faithful retrieval (plaintext embedding, §5.1)",
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -286,23 +379,55 @@ def run_fedrag_attacks(
     rows: list[dict[str, Any]] = []
     keys = minilm_keys(_texts(80), rows=512)
     for length in (32, 64, 128, 256, 512):
-        rows.append({"attack": "knn_overlap", "rows": length, "scaling_range": DEFAULT_SCALING_RANGE, "value": knn_overlap(keys[:length])})
+        rows.append(
+            {
+                "attack": "knn_overlap",
+                "rows": length,
+                "scaling_range": DEFAULT_SCALING_RANGE,
+                "value": knn_overlap(keys[:length]),
+            }
+        )
         log(f"[fedfm] fedrag-attacks: {rows[-1]}")
     rng = np.random.default_rng(0)
     q = keys[rng.permutation(len(keys))[:64]][None]
     for r in (1.0, 2.0, 4.0, 8.0, 16.0, 64.0):
+        error = bf16_error(
+            q,
+            keys[None, :128],
+            keys[None, 128:256],
+            scaling=32**-0.5,
+            kind="structured",
+            scaling_range=r,
+        )
         rows.append(
             {
-                "attack": "knn_overlap", "rows": 128, "scaling_range": r, "value": knn_overlap(keys[:128], scaling_range=r),
-                "bf16_relative_error": bf16_error(q, keys[None, :128], keys[None, 128:256], scaling=32**-0.5, kind="structured", scaling_range=r),
+                "attack": "knn_overlap",
+                "rows": 128,
+                "scaling_range": r,
+                "value": knn_overlap(keys[:128], scaling_range=r),
+                "bf16_relative_error": error,
             }
-        )  # fmt: skip
+        )
         log(f"[fedfm] fedrag-attacks: {rows[-1]}")
     for length in (64, 512):
         for name, value in ica_attack(keys[:length]).items():
-            rows.append({"attack": f"ica_{name}", "rows": length, "scaling_range": DEFAULT_SCALING_RANGE, "value": value})
+            rows.append(
+                {
+                    "attack": f"ica_{name}",
+                    "rows": length,
+                    "scaling_range": DEFAULT_SCALING_RANGE,
+                    "value": value,
+                }
+            )
     for known in (8, 16, 31, 32, 36, 64):
-        rows.append({"attack": "known_plaintext_error", "rows": known, "scaling_range": DEFAULT_SCALING_RANGE, "value": known_plaintext_solve(keys[:256], known)})
+        rows.append(
+            {
+                "attack": "known_plaintext_error",
+                "rows": known,
+                "scaling_range": DEFAULT_SCALING_RANGE,
+                "value": known_plaintext_solve(keys[:256], known),
+            }
+        )
     write_results(
         results_dir,
         "fedrag_attacks",
@@ -315,6 +440,12 @@ def run_fedrag_attacks(
             "random controls; known-plaintext least squares error against matched rows (d = 32)."
         ),
         rows=rows,
-        columns=[("attack", "attack"), ("rows", "rows"), ("scaling_range", "r"), ("value", "value"), ("bf16_relative_error", "bf16 error")],
+        columns=[
+            ("attack", "attack"),
+            ("rows", "rows"),
+            ("scaling_range", "r"),
+            ("value", "value"),
+            ("bf16_relative_error", "bf16 error"),
+        ],
     )
     return rows

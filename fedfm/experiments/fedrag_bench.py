@@ -47,7 +47,12 @@ from fedfm.experiments.results import write_results
 from fedfm.protocols.fedrag.attention import attention_with_lse, causal_mask
 from fedfm.protocols.fedrag.decoder import DecoderRunner, runner_for
 from fedfm.protocols.fedrag.plan import COORDINATOR, RolePlan
-from fedfm.protocols.fedrag.protocol import decoder_source, fedrag, open_report, settings_from_config
+from fedfm.protocols.fedrag.protocol import (
+    decoder_source,
+    fedrag,
+    open_report,
+    settings_from_config,
+)
 from fedfm.protocols.fedrag.reference import perplexity_of, plaintext_generate
 from fedfm.protocols.fedrag.scrambler import LocalRandomness, draw_attention_keys, relative_error
 from fedfm.runtime import PRESETS, EmulatedTransport, InProcessFederation
@@ -123,8 +128,13 @@ def run_case(
 ) -> dict[str, Any]:
     """One protocol run; its report, traffic and (with presets) emulated times."""
     key = os.urandom(32)
-    owner_extra = {"allow_plaintext_attention": np.asarray(True)} if attention == "distributed" else {}
-    coordinator: dict[str, np.ndarray] = {"query": case.query, "report_key": np.frombuffer(key, np.uint8)}
+    owner_extra = (
+        {"allow_plaintext_attention": np.asarray(True)} if attention == "distributed" else {}
+    )
+    coordinator: dict[str, np.ndarray] = {
+        "query": case.query,
+        "report_key": np.frombuffer(key, np.uint8),
+    }
     if forced and case.forced is not None:
         coordinator["forced"] = case.forced
     inputs = {
@@ -132,10 +142,17 @@ def run_case(
         "owner_1": {"segment": case.owner_1, **owner_extra},
         COORDINATOR: coordinator,
     }
-    config = {"max-new-tokens": tokens, "attention": attention, "scrambler": scrambler, "compute-plan": plan}
+    config = {
+        "max-new-tokens": tokens,
+        "attention": attention,
+        "scrambler": scrambler,
+        "compute-plan": plan,
+    }
     protocol = fedrag(config, decoders=source)
     roles = RolePlan(2, plan)
-    federation = InProcessFederation(protocol, inputs, placement=roles.placement(3 if plan == "rotating" else 4))
+    federation = InProcessFederation(
+        protocol, inputs, placement=roles.placement(3 if plan == "rotating" else 4)
+    )
     marks: dict[str, dict[str, float]] = {}
     transport = None
     if transport_presets:
@@ -164,7 +181,9 @@ def run_case(
             total = marks["report"][name]
             summary[name] = {
                 "ttft_s": ttft,
-                "decode_tok_s": (tokens - 1) / (total - ttft) if tokens > 1 and total > ttft else float("nan"),
+                "decode_tok_s": (tokens - 1) / (total - ttft)
+                if tokens > 1 and total > ttft
+                else float("nan"),
             }
     return summary
 
@@ -184,7 +203,9 @@ def plaintext_timing(
             first = time.perf_counter() - started
             token = int(output.logits[0, -1].argmax())
             for _ in range(tokens - 1):
-                output = model(input_ids=torch.tensor([[token]]), cache=output.past_key_values, use_cache=True)
+                output = model(
+                    input_ids=torch.tensor([[token]]), cache=output.past_key_values, use_cache=True
+                )
                 token = int(output.logits[0, -1].argmax())
     total = time.perf_counter() - started
     summary: dict[str, Any] = {"round_trips": 1, "traffic_bytes": int(shipped)}
@@ -221,7 +242,13 @@ def captured_qkv(runner: DecoderRunner, ids: np.ndarray, layer: int) -> tuple[np
 
 
 def bf16_error(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scaling: float, kind: str | None, scaling_range: float = 2.0
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    scaling: float,
+    kind: str | None,
+    scaling_range: float = 2.0,
 ) -> float:
     """Relative error of cross attention computed in bf16 on scrambled inputs (App. A): the
     parties scramble in bf16, the compute node multiplies in bf16, the inquirer unscrambles in
@@ -233,10 +260,17 @@ def bf16_error(
         return torch.from_numpy(np.asarray(x, dtype=np.float32)).to(bf16).float().numpy()
 
     if kind is None:
-        out, _ = attention_with_lse(rounded(q), rounded(k), rounded(v), scaling=scaling, compute_dtype=bf16)
+        out, _ = attention_with_lse(
+            rounded(q), rounded(k), rounded(v), scaling=scaling, compute_dtype=bf16
+        )
         return relative_error(out.numpy(), reference.numpy())
     keys = draw_attention_keys(
-        LocalRandomness(), "bf16", heads=k.shape[0], head_dim=k.shape[-1], kind=kind, scaling_range=scaling_range
+        LocalRandomness(),
+        "bf16",
+        heads=k.shape[0],
+        head_dim=k.shape[-1],
+        kind=kind,
+        scaling_range=scaling_range,
     )
     qs = rounded(keys.scramble_queries(rounded(q).astype(np.float64)))
     ks = rounded(keys.scramble_keys(rounded(k).astype(np.float64)))
@@ -246,24 +280,40 @@ def bf16_error(
     return relative_error(rounded(restored), reference.numpy())
 
 
-def bf16_table(runner: DecoderRunner, texts: Sequence[str], *, ranges: Sequence[float]) -> list[dict[str, Any]]:
+def bf16_table(
+    runner: DecoderRunner, texts: Sequence[str], *, ranges: Sequence[float]
+) -> list[dict[str, Any]]:
     """Median relative errors over texts and layers per scrambler (and per scaling range)."""
     rows: dict[str, list[float]] = {}
     for text in texts:
-        ids = np.asarray([runner.tokenizer.bos_token_id, *runner.tokenizer(text, add_special_tokens=False)["input_ids"]])[: runner.geometry.context]
+        ids = np.asarray(
+            [
+                runner.tokenizer.bos_token_id,
+                *runner.tokenizer(text, add_special_tokens=False)["input_ids"],
+            ]
+        )[: runner.geometry.context]
         split = ids.size // 2
         for layer in range(runner.geometry.layers):
             q, k, v = captured_qkv(runner, ids, layer)
             q_, k_, v_ = q[:, split:], k[:, :split], v[:, :split]
             k_ = np.repeat(k_, runner.geometry.groups, 0)
             v_ = np.repeat(v_, runner.geometry.groups, 0)
-            rows.setdefault("plaintext bf16", []).append(bf16_error(q_, k_, v_, scaling=runner.scaling, kind=None))
-            rows.setdefault("dense", []).append(bf16_error(q_, k_, v_, scaling=runner.scaling, kind="dense"))
+            rows.setdefault("plaintext bf16", []).append(
+                bf16_error(q_, k_, v_, scaling=runner.scaling, kind=None)
+            )
+            rows.setdefault("dense", []).append(
+                bf16_error(q_, k_, v_, scaling=runner.scaling, kind="dense")
+            )
             for r in ranges:
                 rows.setdefault(f"structured r={r:g}", []).append(
-                    bf16_error(q_, k_, v_, scaling=runner.scaling, kind="structured", scaling_range=r)
+                    bf16_error(
+                        q_, k_, v_, scaling=runner.scaling, kind="structured", scaling_range=r
+                    )
                 )
-    return [{"method": name, "relative_error": float(statistics.median(values)), "samples": len(values)} for name, values in rows.items()]
+    return [
+        {"method": name, "relative_error": float(statistics.median(values)), "samples": len(values)}
+        for name, values in rows.items()
+    ]
 
 
 # -- the commands -------------------------------------------------------------------------------
@@ -302,17 +352,25 @@ def run_fedrag_benchmark(
         diffs.append(float(np.abs(ours["report"]["logits"] - ref_logits).max()))
         if case.forced is not None and case.forced.size:
             forced = run_case(case, source=source, tokens=case.forced.size, forced=True)
-            _, plain_logits = plaintext_generate(runner, case.segments(), case.forced.size, forced=case.forced)
+            _, plain_logits = plaintext_generate(
+                runner, case.segments(), case.forced.size, forced=case.forced
+            )
             ours_ppl = perplexity_of(forced["report"]["logits"], case.forced)
             plain_ppl = perplexity_of(plain_logits, case.forced)
             ppl_changes.append(abs(ours_ppl - plain_ppl) / plain_ppl)
         if number < 3:
             ss = run_case(case, source=source, tokens=tokens, attention="secret-sharing")
             ss_diffs.append(float(np.abs(ss["report"]["logits"] - ref_logits).max()))
-        log(f"[fedfm] bench-fedrag: query {number + 1}: identical={identical[-1]} max|dlogit|={diffs[-1]:.2e}")
+        log(
+            f"[fedfm] bench-fedrag: query {number + 1}: identical={identical[-1]} "
+            f"max|dlogit|={diffs[-1]:.2e}"
+        )
     texts = [d.text for d in data.owners[0][:8]]
     bf16 = bf16_table(runner, texts, ranges=(1.0, 2.0, 4.0, 16.0))
-    log("[fedfm] bench-fedrag: bf16 " + ", ".join(f"{r['method']} {r['relative_error']:.2%}" for r in bf16))
+    log(
+        "[fedfm] bench-fedrag: bf16 "
+        + ", ".join(f"{r['method']} {r['relative_error']:.2%}" for r in bf16)
+    )
 
     rows = []
     speedups = []
@@ -325,7 +383,15 @@ def run_fedrag_benchmark(
                     runs.append(plaintext_timing(case, runner, bench_tokens, BENCH_PRESETS))
                 else:
                     attention = "scrambled" if method == "ours" else "secret-sharing"
-                    runs.append(run_case(case, source=source, tokens=bench_tokens, attention=attention, transport_presets=BENCH_PRESETS))
+                    runs.append(
+                        run_case(
+                            case,
+                            source=source,
+                            tokens=bench_tokens,
+                            attention=attention,
+                            transport_presets=BENCH_PRESETS,
+                        )
+                    )
             for preset in BENCH_PRESETS:
                 rows.append(
                     {
@@ -342,7 +408,11 @@ def run_fedrag_benchmark(
                 )
             log(f"[fedfm] bench-fedrag: context {context}+{context}, {method}: {rows[-1]}")
         for preset in BENCH_PRESETS:
-            ttft = {r["method"]: r["ttft_s"] for r in rows if r["context"] == f"{context}+{context}" and r["preset"] == preset}
+            ttft = {
+                r["method"]: r["ttft_s"]
+                for r in rows
+                if r["context"] == f"{context}+{context}" and r["preset"] == preset
+            }
             speedups.append(ttft["secret-sharing"] / ttft["ours"])
     extra = {
         "decoder": decoder,
@@ -372,10 +442,16 @@ def run_fedrag_benchmark(
         ),
         rows=rows,
         columns=[
-            ("context", "context"), ("query", "query"), ("output", "output"), ("method", "method"),
-            ("preset", "preset"), ("ttft_s", "TTFT (s)"), ("decode_tok_s", "decode tok/s"),
-            ("traffic_mib", "traffic (MiB)"), ("round_trips", "round trips"),
-        ],  # fmt: skip
+            ("context", "context"),
+            ("query", "query"),
+            ("output", "output"),
+            ("method", "method"),
+            ("preset", "preset"),
+            ("ttft_s", "TTFT (s)"),
+            ("decode_tok_s", "decode tok/s"),
+            ("traffic_mib", "traffic (MiB)"),
+            ("round_trips", "round trips"),
+        ],
         extra=extra,
     )
     return extra
@@ -404,11 +480,17 @@ def run_fedrag_ablation(
         for case in cases:
             if method == "baseline":
                 generated, _ = plaintext_generate(runner, case.segments(), tokens)
-                _, logits = plaintext_generate(runner, case.segments(), case.forced.size, forced=case.forced)  # type: ignore[union-attr]
+                _, logits = plaintext_generate(
+                    runner, case.segments(), case.forced.size, forced=case.forced
+                )  # type: ignore[union-attr]
             else:
                 attention = "distributed" if method == "+distributed" else "scrambled"
-                generated = run_case(case, source=source, tokens=tokens, attention=attention)["report"]["tokens"]
-                logits = run_case(case, source=source, tokens=case.forced.size, attention=attention, forced=True)["report"]["logits"]  # type: ignore[union-attr]
+                generated = run_case(case, source=source, tokens=tokens, attention=attention)[
+                    "report"
+                ]["tokens"]
+                logits = run_case(
+                    case, source=source, tokens=case.forced.size, attention=attention, forced=True
+                )["report"]["logits"]  # type: ignore[union-attr]
             text = tokenizer.decode(generated)
             hits.append(case.answer.lower() in text.lower())
             ppls.append(perplexity_of(logits, case.forced))  # type: ignore[arg-type]
@@ -432,6 +514,11 @@ def run_fedrag_ablation(
             "geometric mean over queries of the forced answer tokens' perplexity."
         ),
         rows=rows,
-        columns=[("method", "method"), ("accuracy_pct", "Acc (%)"), ("answer_ppl", "PPL"), ("queries", "queries")],
+        columns=[
+            ("method", "method"),
+            ("accuracy_pct", "Acc (%)"),
+            ("answer_ppl", "PPL"),
+            ("queries", "queries"),
+        ],
     )
     return rows

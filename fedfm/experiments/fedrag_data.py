@@ -1,10 +1,9 @@
 """FedRAG's data: standard-library docstrings split by package family across owners, a
 completion task built from them, the owners' indexes and the coordinator's relevance head.
 
-* **Documents** are the decoder's *held-out* modules (:func:`fedfm.data.stdlib_text.split_documents`:
-  text the embedded decoder never trained on), by group (:func:`documents_by_group`): the
-  families are dealt to the owners round-robin (``owner_0``: files, numbers, ...; ``owner_1``:
-  networking, text, ...), so each institution holds other topics.
+* **Documents** are the decoder's *held-out* modules (text the embedded decoder never trained
+  on, :func:`fedfm.data.stdlib_text.split_documents`), by group (:func:`documents_by_group`):
+  the families are dealt to the owners round-robin, so each institution holds other topics.
 * **The task** (Table 3-style, "answer contains substring", App. D): a query is the beginning
   of a document's first sentence (at least 5 words, the last 3 cut off) and the answer is the
   next word (alphabetic, 4+ letters, not already in the query). The system must retrieve the
@@ -50,7 +49,11 @@ def question_of(text: str) -> tuple[str, str] | None:
     if len(words) < MIN_WORDS:
         return None
     prefix, answer = words[: len(words) - CUT], words[len(words) - CUT].strip(".,:;()'\"`")
-    if len(answer) < 4 or not answer.isalpha() or answer.lower() in {w.lower().strip(".,:;()") for w in prefix}:
+    if (
+        len(answer) < 4
+        or not answer.isalpha()
+        or answer.lower() in {w.lower().strip(".,:;()") for w in prefix}
+    ):
         return None
     return " ".join(prefix), answer
 
@@ -120,4 +123,8 @@ def train_relevance_head(
     head = LogisticRegression(C=1.0, max_iter=2000).fit(x[:cut], y[:cut])
     accuracy = float(head.score(x[cut:], y[cut:])) if cut < len(x) else float("nan")
     final = LogisticRegression(C=1.0, max_iter=2000).fit(x, y)
-    return final.coef_[0].copy(), final.intercept_.copy(), {"held_out_pair_accuracy": accuracy, "pairs": float(len(x))}
+    return (
+        final.coef_[0].copy(),
+        final.intercept_.copy(),
+        {"held_out_pair_accuracy": accuracy, "pairs": float(len(x))},
+    )

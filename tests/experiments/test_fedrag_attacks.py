@@ -12,13 +12,13 @@ import pytest
 
 from fedfm.experiments import red_team
 from fedfm.experiments.fedrag_attacks import (
+    _query_leakage_pair,
+    _texts,
     ica_attack,
     knn_overlap,
     known_plaintext_solve,
     minilm_keys,
     vocabulary_matching,
-    _query_leakage_pair,
-    _texts,
 )
 
 

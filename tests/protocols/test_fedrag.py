@@ -140,7 +140,10 @@ def test_lemmas_scrambled_attention_equals_plaintext() -> None:
 def test_online_softmax_merge_equals_full_causal_attention() -> None:
     rng = np.random.default_rng(2)
     q = torch.from_numpy(rng.normal(size=(2, 4, 8)))
-    k, v = torch.from_numpy(rng.normal(size=(2, 11, 8))), torch.from_numpy(rng.normal(size=(2, 11, 8)))
+    k, v = (
+        torch.from_numpy(rng.normal(size=(2, 11, 8))),
+        torch.from_numpy(rng.normal(size=(2, 11, 8))),
+    )
     full, full_lse = attention_with_lse(q, k, v, scaling=0.3, allowed=causal_mask(4, 11, offset=7))
     parts = [
         attention_with_lse(q, k[:, :3], v[:, :3], scaling=0.3),
@@ -199,7 +202,7 @@ def _key_protocol(twice: bool) -> Protocol:
 
     def compute(context: RoleContext) -> None:
         kv, query = context.receive("bob"), context.receive("alice")
-        out, lse = attention_with_lse(query["q"], kv["k"], kv["v"], scaling=0.5)
+        out, _ = attention_with_lse(query["q"], kv["k"], kv["v"], scaling=0.5)
         context.send("alice", {"out": out.numpy()})
 
     def reveal(context: RoleContext) -> None:
@@ -214,7 +217,11 @@ def _key_protocol(twice: bool) -> Protocol:
         channels=(("alice", "bob"), ("alice", "carol"), ("bob", "carol")),
         separated=(("alice", "carol"), ("bob", "carol")),
         steps=(
-            Step("scramble", ("alice", "bob"), lambda c: inquirer(c) if c.role == "alice" else owner(c)),
+            Step(
+                "scramble",
+                ("alice", "bob"),
+                lambda c: inquirer(c) if c.role == "alice" else owner(c),
+            ),
             Step("compute", ("carol",), compute),
             Step("reveal", ("alice",), reveal),
         ),
@@ -254,7 +261,10 @@ def test_compute_node_sees_only_scrambled_tensors(micro: DecoderSource) -> None:
     from what the same owner sends under attention='distributed' (the ablation)."""
     segs = segments(micro, seed=4)
     seen: dict[str, list[np.ndarray]] = {}
-    for mode, owner_inputs in (("scrambled", {}), ("distributed", {"allow_plaintext_attention": np.asarray(True)})):
+    for mode, owner_inputs in (
+        ("scrambled", {}),
+        ("distributed", {"allow_plaintext_attention": np.asarray(True)}),
+    ):
         _, federation, _ = run_generation(
             micro, segs, extra={"attention": mode}, tokens=2, owner_inputs=owner_inputs
         )
@@ -326,7 +336,11 @@ def test_the_app_toml_matches_the_defaults() -> None:
 
     app = tomllib.loads((ROOT / "simulations" / "fedrag" / "pyproject.toml").read_text())
     # a round trip may include a node's first model load: the app allows 600 s, not 60
-    assert app["tool"]["flwr"]["app"]["config"] == {**RUN_CONFIG_DEFAULTS, "timeout": 600.0, **DEFAULTS}
+    assert app["tool"]["flwr"]["app"]["config"] == {
+        **RUN_CONFIG_DEFAULTS,
+        "timeout": 600.0,
+        **DEFAULTS,
+    }
     assert app["tool"]["flwr"]["app"]["components"] == {
         "serverapp": "fedfm_strategies.fedrag:app",
         "clientapp": "fedfm_clients.fedrag:app",
@@ -368,24 +382,34 @@ def test_scrambled_reranking_equals_the_plaintext_cross_encoder() -> None:
 
     encoder = encoder_runner()
     query = encoder.query_ids("return the path joined with the given names")
-    document = encoder.document_ids("Join two or more pathname components, inserting '/' as needed.")
+    document = encoder.document_ids(
+        "Join two or more pathname components, inserting '/' as needed."
+    )
     expected = encoder.joint_features(query, document)
     hq, hd = encoder.embed(query, 0, 0), encoder.embed(document, 1, len(query))
     for layer in range(encoder.layers):
         parts = {}
         for mine, other in ((hq, hd), (hd, hq)):
-            keys = draw_attention_keys(LocalRandomness(), f"l{layer}", heads=encoder.heads, head_dim=encoder.head_dim)
+            keys = draw_attention_keys(
+                LocalRandomness(), f"l{layer}", heads=encoder.heads, head_dim=encoder.head_dim
+            )
             q, _, _ = encoder.qkv(layer, mine)
             _, k, v = encoder.qkv(layer, other)
             order = token_permutation(q.shape[1])
             out, lse = attention_with_lse(
                 keys.scramble_queries(q.astype(np.float64))[:, order],
-                keys.scramble_keys(k.astype(np.float64)), keys.scramble_values(v.astype(np.float64)),
+                keys.scramble_keys(k.astype(np.float64)),
+                keys.scramble_values(v.astype(np.float64)),
                 scaling=encoder.scaling,
-            )  # fmt: skip
+            )
             restored, restored_lse = np.empty_like(out.numpy()), np.empty_like(lse.numpy())
             restored[:, order], restored_lse[:, order] = out.numpy(), lse.numpy()
-            parts[id(mine)] = [(torch.from_numpy(keys.unscramble_outputs(restored).astype(np.float32)), torch.from_numpy(restored_lse.astype(np.float32)))]
+            parts[id(mine)] = [
+                (
+                    torch.from_numpy(keys.unscramble_outputs(restored).astype(np.float32)),
+                    torch.from_numpy(restored_lse.astype(np.float32)),
+                )
+            ]
         hq, hd = encoder.finish(layer, hq, parts[id(hq)]), encoder.finish(layer, hd, parts[id(hd)])
     assert np.abs(features(hq) - expected).max() < 1e-4
 
@@ -423,11 +447,17 @@ def test_rag_stage_retrieves_reranks_and_generates(micro: DecoderSource, retriev
 
     previous, rag.DOCUMENT_TOKENS = rag.DOCUMENT_TOKENS, 6
     try:
-        result = InProcessFederation(fedrag(config, decoders=micro), inputs, placement=RolePlan(2, "dedicated").placement(4)).run()
+        result = InProcessFederation(
+            fedrag(config, decoders=micro), inputs, placement=RolePlan(2, "dedicated").placement(4)
+        ).run()
     finally:
         rag.DOCUMENT_TOKENS = previous
     report = open_report(key, result.outputs[COORDINATOR]["report"])
-    scores = [(s, o, i) for o, idx in enumerate(indexes) for i, s in enumerate(plaintext_scores(query, idx))]
+    scores = [
+        (s, o, i)
+        for o, idx in enumerate(indexes)
+        for i, s in enumerate(plaintext_scores(query, idx))
+    ]
     best = sorted(scores, key=lambda t: (-t[0], t[1], t[2]))[:3]
     assert np.allclose(report["retrieval_scores"], [s for s, _, _ in best], atol=1e-4)
     assert (int(report["selected_owner"][0]), int(report["selected_document"][0])) == best[0][1:]
@@ -436,7 +466,9 @@ def test_rag_stage_retrieves_reranks_and_generates(micro: DecoderSource, retriev
 
 
 @pytest.mark.slow
-def test_flwr_run_simulation_on_four_supernodes_equals_plaintext(micro: DecoderSource, tmp_path: Path) -> None:
+def test_flwr_run_simulation_on_four_supernodes_equals_plaintext(
+    micro: DecoderSource, tmp_path: Path
+) -> None:
     import subprocess
     import sys
 

@@ -33,7 +33,14 @@ _HOME = {
     "open_report": "protocol",
     "settings_from_config": "protocol",
 }
-__all__ = sorted(_HOME)
+__all__ = [
+    "COORDINATOR",
+    "RolePlan",
+    "fedrag",
+    "open_report",
+    "owner_role",
+    "settings_from_config",
+]
 
 
 def __getattr__(name: str) -> Any:

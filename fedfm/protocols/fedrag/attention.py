@@ -53,8 +53,8 @@ def attention_with_lse(
     q, k, v = _tensor(q), _tensor(k), _tensor(v)
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[-1] != k.shape[-1]:
         raise ProtocolError(
-            f"attention takes (heads, tokens, dim) arrays with matching dims, got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
+            "attention takes (heads, tokens, dim) arrays with matching dims, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if k.shape[:2] != v.shape[:2] or q.shape[0] != k.shape[0]:
         raise ProtocolError(
@@ -86,7 +86,7 @@ def merge_attention(parts: Sequence[Part]) -> Part:
         for weight, (out, _) in zip(weights, parts, strict=True)
     )
     dtype = parts[0][0].dtype
-    return output.to(dtype), total.to(parts[0][1].dtype)  # type: ignore[union-attr]
+    return output.to(dtype), total.to(parts[0][1].dtype)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

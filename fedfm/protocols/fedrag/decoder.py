@@ -41,14 +41,19 @@ _REGISTERED = threading.Lock()
 _registered = False
 
 
-class _Captured(Exception):  # noqa: N818 - control flow, never escapes this module
+class _Captured(Exception):
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         super().__init__("captured")
         self.q, self.k, self.v = q, k, v
 
 
 def _eager(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scaling: float
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Any,
+    scaling: float,
 ) -> torch.Tensor:
     """transformers' eager attention (repeat_kv, additive mask, float32 softmax)."""
     groups = int(getattr(module, "num_key_value_groups", 1))
@@ -179,11 +184,15 @@ class DecoderRunner:
         self.model, self.inner = model, inner
         model.config._attn_implementation = ATTENTION
         config = model.config
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.geometry = Geometry(
             layers=int(config.num_hidden_layers),
             heads=int(config.num_attention_heads),
-            kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+            kv_heads=int(
+                getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            ),
             head_dim=head_dim,
             hidden=int(config.hidden_size),
             vocab=int(config.vocab_size),

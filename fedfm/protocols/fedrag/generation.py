@@ -40,8 +40,8 @@ from functools import partial
 import numpy as np
 import torch
 
+import fedfm.protocols.fedrag.keys as keyring
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.protocols.fedrag import keys as keyring
 from fedfm.protocols.fedrag.attention import (
     attention_with_lse,
     causal_mask,
@@ -73,7 +73,9 @@ class GenerationSettings:
     scaling: float  # the model's attention scaling (public)
 
 
-def _fingerprint_check(context: RoleContext, runner: DecoderRunner, sender: str, fp: np.ndarray) -> None:
+def _fingerprint_check(
+    context: RoleContext, runner: DecoderRunner, sender: str, fp: np.ndarray
+) -> None:
     theirs = np.asarray(fp, dtype=np.uint8).tobytes()
     if theirs != runner.fingerprint:
         raise ProtocolError(
@@ -403,11 +405,16 @@ class Generation:
                     )
                     roles: tuple[str, ...] = (inquirer,)
                     if finishing is not None:
-                        done, action = finishing, _both(finishing, self._owner_done, inquirer, action)
+                        done, action = (
+                            finishing,
+                            _both(finishing, self._owner_done, inquirer, action),
+                        )
                         roles = (done, inquirer)
                         finishing = None
                     steps.append(Step(f"{inquirer}_b{block}_l{layer}_q", roles, action))
-                    steps.append(Step(f"{inquirer}_b{block}_l{layer}_attn", computes, self._compute))
+                    steps.append(
+                        Step(f"{inquirer}_b{block}_l{layer}_attn", computes, self._compute)
+                    )
             finishing = inquirer if inquirer != COORDINATOR else None
         steps.append(Step("report", (COORDINATOR,), self._report))
         return steps

@@ -68,7 +68,9 @@ def derive(
 def _scrambler_array(key: Scrambler) -> np.ndarray:
     if key.dense is not None:
         return np.stack([key.dense[0], key.dense[1]])
-    return np.stack([key.first.astype(np.float64), key.second.astype(np.float64), key.scale1, key.scale2])
+    return np.stack(
+        [key.first.astype(np.float64), key.second.astype(np.float64), key.scale1, key.scale2]
+    )
 
 
 def _scrambler_from(kind: str, array: np.ndarray) -> Scrambler:

@@ -111,7 +111,9 @@ def settings_from_config(config: Mapping[str, ConfigValue] | None) -> FedragSett
     if top_m > top_k:
         raise ConfigError(f"fedrag top-m ({top_m}) cannot exceed top-k ({top_k})")
     return FedragSettings(
-        plan=RolePlan(_positive(merged, "owners"), _choice(merged, "compute-plan", ("dedicated", "rotating"))),
+        plan=RolePlan(
+            _positive(merged, "owners"), _choice(merged, "compute-plan", ("dedicated", "rotating"))
+        ),
         stage=_choice(merged, "stage", STAGES),
         attention=_choice(merged, "attention", ATTENTIONS),
         scrambler=_choice(merged, "scrambler", KINDS),
@@ -269,7 +271,9 @@ def fedrag(
     )
 
 
-def _generation_settings(settings: FedragSettings, layers: int, head_dim: int) -> GenerationSettings:
+def _generation_settings(
+    settings: FedragSettings, layers: int, head_dim: int
+) -> GenerationSettings:
     if settings.stage == "rag" and settings.attention == "distributed":
         raise ConfigError("attention 'distributed' is an ablation of the generate stage only")
     return GenerationSettings(

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+import fedfm.protocols.fedrag.keys as keyring
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.protocols.fedrag import keys as keyring
 from fedfm.protocols.fedrag.attention import attention_with_lse
 from fedfm.protocols.fedrag.decoder import DecoderRunner
 from fedfm.protocols.fedrag.plan import COORDINATOR
@@ -89,14 +89,20 @@ class RagStages:
             return
         keys = QueryKeys.generate()
         context.state["ckks"] = keys.secret_state()
-        message = {"context": keys.public_context(), **_prefixed("query", keys.encrypt_query(query))}
+        message = {
+            "context": keys.public_context(),
+            **_prefixed("query", keys.encrypt_query(query)),
+        }
         for owner in self.plan.owner_roles:
             context.send(owner, message)
 
     def _score(self, context: RoleContext) -> None:
         index = check_embeddings(f"{context.role}'s index", context.input("index"))
         if len(split_documents(context)) != index.shape[0]:
-            raise ConfigError(f"{context.role} has {index.shape[0]} embeddings for a different number of documents")
+            raise ConfigError(
+                f"{context.role} has {index.shape[0]} embeddings for a different number of "
+                "documents"
+            )
         message = context.receive(COORDINATOR)
         k = self.settings.top_k  # type: ignore[attr-defined]
         if self.settings.retrieval == "faithful":  # type: ignore[attr-defined]
@@ -106,7 +112,9 @@ class RagStages:
             return
         evaluator = IndexEvaluator(message["context"])
         payload = evaluator.scores(_unprefixed("query", message), index)
-        context.send(COORDINATOR, {**_prefixed("scores", payload), "count": np.asarray([index.shape[0]])})
+        context.send(
+            COORDINATOR, {**_prefixed("scores", payload), "count": np.asarray([index.shape[0]])}
+        )
 
     def _candidates(self, context: RoleContext) -> None:
         found = []  # (score, owner index, document id)
@@ -160,7 +168,9 @@ class RagStages:
         for i, doc in zip(message["candidates"], message["documents"], strict=True):
             if not 0 <= int(doc) < len(texts):
                 raise ProtocolError(f"the coordinator named document {int(doc)} of {context.role}")
-            context.state[f"rr.{int(i)}.hidden"] = encoder.embed(encoder.document_ids(texts[int(doc)]), 1, start)
+            context.state[f"rr.{int(i)}.hidden"] = encoder.embed(
+                encoder.document_ids(texts[int(doc)]), 1, start
+            )
 
     def _purpose(self, candidate: int, inquirer: str, owner: str, layer: int) -> str:
         return key_purpose(self.settings.request, f"rerank{candidate}", inquirer, owner, layer)  # type: ignore[attr-defined]
@@ -188,9 +198,15 @@ class RagStages:
             context.state.update(keyring.keys_to_arrays(f"rr.{i}.keys", inquire))
             context.state[f"rr.{i}.order"] = q_order
             message = by_compute.setdefault(self.plan.compute_role(context.role, peer), {})
-            message[f"{i}.q"] = inquire.scramble_queries(q.astype(np.float64))[:, q_order].astype(np.float32)
-            message[f"{i}.k"] = serve.scramble_keys(k.astype(np.float64))[:, kv_order].astype(np.float32)
-            message[f"{i}.v"] = serve.scramble_values(v.astype(np.float64))[:, kv_order].astype(np.float32)
+            message[f"{i}.q"] = inquire.scramble_queries(q.astype(np.float64))[:, q_order].astype(
+                np.float32
+            )
+            message[f"{i}.k"] = serve.scramble_keys(k.astype(np.float64))[:, kv_order].astype(
+                np.float32
+            )
+            message[f"{i}.v"] = serve.scramble_values(v.astype(np.float64))[:, kv_order].astype(
+                np.float32
+            )
         for compute, message in by_compute.items():
             context.send(compute, message)
 
@@ -203,8 +219,12 @@ class RagStages:
             out[:, order], lse[:, order] = message[f"{i}.out"], message[f"{i}.lse"]
             keys = keyring.keys_from_state(context.state, f"rr.{i}.keys", self.settings.scrambler)  # type: ignore[attr-defined]
             out = keys.unscramble_outputs(out.astype(np.float64))
-            remote = [(torch.from_numpy(out.astype(np.float32)), torch.from_numpy(lse.astype(np.float32)))]
-            context.state[f"rr.{i}.hidden"] = encoder.finish(layer, context.state[f"rr.{i}.hidden"], remote)
+            remote = [
+                (torch.from_numpy(out.astype(np.float32)), torch.from_numpy(lse.astype(np.float32)))
+            ]
+            context.state[f"rr.{i}.hidden"] = encoder.finish(
+                layer, context.state[f"rr.{i}.hidden"], remote
+            )
 
     def _layer_step(self, layer: int, context: RoleContext) -> None:
         if layer == 0 and context.role != COORDINATOR:
@@ -249,7 +269,10 @@ class RagStages:
         weight, bias = context.input("reranker_weight"), context.input("reranker_bias")
         owners, docs = context.state["cand.owner"], context.state["cand.doc"]
         scores = np.asarray(
-            [relevance(weight, bias, features(context.state[f"rr.{i}.hidden"])) for i in range(owners.size)]
+            [
+                relevance(weight, bias, features(context.state[f"rr.{i}.hidden"]))
+                for i in range(owners.size)
+            ]
         )
         chosen = top_k(scores, self.settings.top_m)  # type: ignore[attr-defined]
         context.state["report.rerank_scores"] = scores
@@ -268,7 +291,9 @@ class RagStages:
             Step("score", self.plan.owner_roles, self._score),
             Step("candidates", (COORDINATOR,), self._candidates),
         ]
-        computes = tuple(dict.fromkeys(self.plan.compute_role(COORDINATOR, o) for o in self.plan.owner_roles))
+        computes = tuple(
+            dict.fromkeys(self.plan.compute_role(COORDINATOR, o) for o in self.plan.owner_roles)
+        )
         for layer in range(encoder_layers):
             roles = (COORDINATOR, *self.plan.owner_roles)
             steps.append(Step(f"rerank_l{layer}_q", roles, _bound(self._layer_step, layer)))
@@ -287,10 +312,14 @@ class RagStages:
             del context.state[name]
         selected = context.receive(COORDINATOR)["selected"]
         texts = split_documents(context)
-        ids: list[int] = [tokenizer.bos_token_id] if context.role == self.plan.owner_roles[0] else []
+        ids: list[int] = (
+            [tokenizer.bos_token_id] if context.role == self.plan.owner_roles[0] else []
+        )
         for doc in np.asarray(selected, dtype=np.int64):
             if not 0 <= int(doc) < len(texts):
-                raise ProtocolError(f"the coordinator selected document {int(doc)} of {context.role}")
+                raise ProtocolError(
+                    f"the coordinator selected document {int(doc)} of {context.role}"
+                )
             body = tokenizer("\n" + texts[int(doc)], add_special_tokens=False)["input_ids"]
             ids += body[:DOCUMENT_TOKENS]
         if not ids:

@@ -96,7 +96,10 @@ class EncoderRunner:
         with _eager(self.model):
             ids = torch.as_tensor(np.concatenate([query, document])).unsqueeze(0)
             types = torch.cat(
-                [torch.zeros(len(query), dtype=torch.long), torch.ones(len(document), dtype=torch.long)]
+                [
+                    torch.zeros(len(query), dtype=torch.long),
+                    torch.ones(len(document), dtype=torch.long),
+                ]
             ).unsqueeze(0)
             hidden = self.model(input_ids=ids, token_type_ids=types).last_hidden_state[0].numpy()
         return features(hidden[: len(query)])
@@ -108,7 +111,7 @@ def features(query_hidden: np.ndarray) -> np.ndarray:
     return np.concatenate([query_hidden[0], query_hidden.mean(axis=0)])
 
 
-class _eager:  # noqa: N801 - a context manager
+class _eager:
     def __init__(self, model: Any) -> None:
         self.model = model
 

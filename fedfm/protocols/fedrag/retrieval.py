@@ -107,7 +107,10 @@ class QueryKeys:
 
     def secret_state(self) -> np.ndarray:
         data = self._context.serialize(
-            save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False
+            save_public_key=True,
+            save_secret_key=True,
+            save_galois_keys=False,
+            save_relin_keys=False,
         )
         return np.frombuffer(data, dtype=np.uint8).copy()
 
@@ -124,7 +127,9 @@ class QueryKeys:
         block[: query.size] = query
         vector = np.tile(block, self.slots // BLOCK)
         plain = sealapi.Plaintext()
-        self._encoder.encode(vector.tolist(), self._seal.first_parms_id(), 2.0**self.params.scale_bits, plain)
+        self._encoder.encode(
+            vector.tolist(), self._seal.first_parms_id(), 2.0**self.params.scale_bits, plain
+        )
         ciphertext = sealapi.Ciphertext(self._seal)
         self._encryptor.encrypt_symmetric(plain, ciphertext)
         return list_payload([self._io.save(ciphertext)], self.fingerprint)
@@ -176,7 +181,9 @@ class IndexEvaluator:
 
     def _plain(self, values: np.ndarray, parms_id: Any) -> Any:
         plain = sealapi.Plaintext()
-        self._encoder.encode(np.asarray(values, dtype=np.float64).tolist(), parms_id, self._scale, plain)
+        self._encoder.encode(
+            np.asarray(values, dtype=np.float64).tolist(), parms_id, self._scale, plain
+        )
         return plain
 
     def scores(self, query: dict[str, np.ndarray], index: np.ndarray) -> dict[str, np.ndarray]:
@@ -194,7 +201,9 @@ class IndexEvaluator:
             packed = np.zeros((per, BLOCK))
             packed[: rows.shape[0], : rows.shape[1]] = rows
             product = sealapi.Ciphertext(self._seal)
-            self._evaluator.multiply_plain(ciphertext, self._plain(packed.reshape(-1), ciphertext.parms_id()), product)
+            self._evaluator.multiply_plain(
+                ciphertext, self._plain(packed.reshape(-1), ciphertext.parms_id()), product
+            )
             self._evaluator.rescale_to_next_inplace(product)
             for step in reversed(rotation_steps()):
                 rotated = sealapi.Ciphertext(self._seal)

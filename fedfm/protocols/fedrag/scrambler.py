@@ -12,7 +12,9 @@ The structured matrix of Eq. 9 (the extraction lost the formula; reconstructed f
 "a two-layer sandwich ... between two random permutations", with diagonal scalings of random sign
 and magnitude on both sides of a normalised Hadamard matrix)::
 
-    S = P1 D1 H D2 P2          S^{-T} = P1 D1^{-1} H D2^{-1} P2          S^{-1} = P2^T D2^{-1} H D1^{-1} P1^T
+    S = P1 D1 H D2 P2
+    S^{-T} = P1 D1^{-1} H D2^{-1} P2
+    S^{-1} = P2^T D2^{-1} H D1^{-1} P1^T
 
 ``H`` is the Sylvester Hadamard matrix divided by ``sqrt(d)`` (orthonormal and symmetric), so the
 inverse-transpose has the same shape with inverted scalings: applying either is two gathers,
@@ -319,7 +321,9 @@ class KeyLedger:
 def relative_error(estimate: np.ndarray, reference: np.ndarray) -> float:
     """``||estimate - reference||_F / ||reference||_F``."""
     reference = np.asarray(reference, dtype=np.float64)
-    return float(np.linalg.norm(np.asarray(estimate, np.float64) - reference) / np.linalg.norm(reference))
+    return float(
+        np.linalg.norm(np.asarray(estimate, np.float64) - reference) / np.linalg.norm(reference)
+    )
 
 
 def check_kind(kind: str) -> str:

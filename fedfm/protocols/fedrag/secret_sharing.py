@@ -92,7 +92,9 @@ class SecretSharingGeneration(Generation):
         for name in [n for n in context.state if n.startswith(("own.", "hidden", "positions"))]:
             del context.state[name]
 
-    def _pair_generator(self, context: RoleContext, inquirer: str, owner: str, layer: int, block: int) -> np.random.Generator:
+    def _pair_generator(
+        self, context: RoleContext, inquirer: str, owner: str, layer: int, block: int
+    ) -> np.random.Generator:
         peer = owner if context.role == inquirer else inquirer
         purpose = f"fedrag-ss/{self.settings.request}/{inquirer}<-{owner}/b{block}/l{layer}"
         return context.shared_generator(peer, purpose)
@@ -119,15 +121,32 @@ class SecretSharingGeneration(Generation):
             for name, shape in message.arrays.items():
                 owner = name[: -len(".shape")]
                 if (inquirer, owner) not in self.plan.served(context.role):
-                    raise ProtocolError(f"the dealer {context.role} does not serve {inquirer}<-{owner}")
+                    raise ProtocolError(
+                        f"the dealer {context.role} does not serve {inquirer}<-{owner}"
+                    )
                 heads, n, d, m = (int(v) for v in shape)
                 a, b = uniform((heads, n, d)), uniform((heads, d, m))
                 c_i, c_o = share(ring_matmul(a, b))
                 a2_i, a2_o = share(uniform((heads, n, m)))
                 b2 = uniform((heads, m, d))
                 c2_i, c2_o = share(ring_matmul(a2_i + a2_o, b2))
-                to_inquirer |= {f"{owner}.a": a, f"{owner}.c": c_i, f"{owner}.a2": a2_i, f"{owner}.c2": c2_i}
-                context.send(owner, {"b": b, "c": c_o, "a2": a2_o, "b2": b2, "c2": c2_o, "for": np.frombuffer(inquirer.encode(), np.uint8)})
+                to_inquirer |= {
+                    f"{owner}.a": a,
+                    f"{owner}.c": c_i,
+                    f"{owner}.a2": a2_i,
+                    f"{owner}.c2": c2_i,
+                }
+                context.send(
+                    owner,
+                    {
+                        "b": b,
+                        "c": c_o,
+                        "a2": a2_o,
+                        "b2": b2,
+                        "c2": c2_o,
+                        "for": np.frombuffer(inquirer.encode(), np.uint8),
+                    },
+                )
             context.send(inquirer, to_inquirer)
 
     # -- 3. open E and F ------------------------------------------------------------------------
@@ -166,7 +185,8 @@ class SecretSharingGeneration(Generation):
                 rho, pi = rng.permutation(s.shape[1]), rng.permutation(s.shape[2])
                 context.state[f"ss.{owner}.rho"] = rho
                 context.send(
-                    self.plan.compute_role(inquirer, owner), {f"{inquirer}.{owner}": s[:, rho][:, :, pi]}
+                    self.plan.compute_role(inquirer, owner),
+                    {f"{inquirer}.{owner}": s[:, rho][:, :, pi]},
                 )
         else:
             e = context.receive(inquirer)["e"]
@@ -191,7 +211,9 @@ class SecretSharingGeneration(Generation):
             if (inquirer, owner) not in self.plan.served(context.role):
                 raise ProtocolError(f"the dealer {context.role} does not serve {inquirer}<-{owner}")
             if set(parts) != {inquirer, owner}:
-                raise ProtocolError(f"the dealer got the scores of {inquirer}<-{owner} from {sorted(parts)}")
+                raise ProtocolError(
+                    f"the dealer got the scores of {inquirer}<-{owner} from {sorted(parts)}"
+                )
             scores = decode(parts[inquirer] + parts[owner]) * self.settings.scaling
             lse = torch.logsumexp(torch.from_numpy(scores), dim=-1).numpy()
             weights = np.exp(scores - lse[..., None])
@@ -212,8 +234,8 @@ class SecretSharingGeneration(Generation):
                 e2 = context.state[f"ss.{owner}.w"] - context.state[f"ss.{owner}.a2"]
                 context.send(owner, {"e2": e2})
             return
-        message = context.receive(self.plan.compute_role(inquirer, context.role))
-        context.state["ss.w"], context.state["ss.lse"] = message["w"], message["lse"]
+        shares = context.receive(self.plan.compute_role(inquirer, context.role))
+        context.state["ss.w"], context.state["ss.lse"] = shares["w"], shares["lse"]
         v = self._context_values(context, layer)[:, context.state["ss.pi"]]
         f2 = encode(v) - context.state["ss.b2"]
         context.state["ss.f2"] = f2
@@ -236,13 +258,17 @@ class SecretSharingGeneration(Generation):
                 mine = context.state[f"ss.{owner}.w"] - context.state[f"ss.{owner}.a2"]
                 e2, f2 = mine + message["e2"], message["f2"]
                 a2, c2 = context.state[f"ss.{owner}.a2"], context.state[f"ss.{owner}.c2"]
-                context.state[f"ss.{owner}.z"] = truncate(c2 + ring_matmul(a2, f2) + ring_matmul(e2, f2), 0)
+                context.state[f"ss.{owner}.z"] = truncate(
+                    c2 + ring_matmul(a2, f2) + ring_matmul(e2, f2), 0
+                )
         else:
             e2_i = context.receive(inquirer)["e2"]
             e2 = e2_i + (context.state["ss.w"] - context.state["ss.a2"])
             f2 = context.state["ss.f2"]
             z = truncate(
-                context.state["ss.c2"] + ring_matmul(context.state["ss.a2"], f2) + ring_matmul(e2, context.state["ss.b2"]),
+                context.state["ss.c2"]
+                + ring_matmul(context.state["ss.a2"], f2)
+                + ring_matmul(e2, context.state["ss.b2"]),
                 1,
             )
             context.send(inquirer, {"z": z, "lse": context.state["ss.lse"]})
@@ -284,7 +310,9 @@ class SecretSharingGeneration(Generation):
             for block in range(blocks):
                 for layer in range(layers):
                     name = f"{inquirer}_b{block}_l{layer}"
-                    action: Callable[[RoleContext], None] = partial(self._inquirer_step, block, layer)
+                    action: Callable[[RoleContext], None] = partial(
+                        self._inquirer_step, block, layer
+                    )
                     roles: tuple[str, ...] = (inquirer,)
                     if finishing is not None:
                         action = _both(finishing, self._owner_done, inquirer, action)
@@ -293,7 +321,9 @@ class SecretSharingGeneration(Generation):
                         Step(f"{name}_q", roles, action),
                         Step(f"{name}_deal", computes, self._deal),
                         Step(f"{name}_open1", parties, partial(self._open1, inquirer, layer)),
-                        Step(f"{name}_scores", parties, partial(self._scores, inquirer, layer, block)),
+                        Step(
+                            f"{name}_scores", parties, partial(self._scores, inquirer, layer, block)
+                        ),
                         Step(f"{name}_softmax", computes, self._collect),
                         Step(f"{name}_open2", parties, partial(self._open2, inquirer, layer)),
                         Step(f"{name}_product", parties, partial(self._product, inquirer)),
