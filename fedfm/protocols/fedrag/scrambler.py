@@ -20,10 +20,11 @@ and magnitude on both sides of a normalised Hadamard matrix)::
 inverse-transpose has the same shape with inverted scalings: applying either is two gathers,
 two scalings and one ``+-1`` matrix product. The scalings' magnitudes are log-uniform in
 ``[1/r, r]`` with ``r`` the *scaling range* (§4.2: "sampled from an empirical range (e.g., ...)";
-the value was lost in extraction: :data:`DEFAULT_SCALING_RANGE` is this reconstruction's default,
-chosen so that the bf16 error matches App. A's 1.5 %; ``fedfm bench-fedrag --ablation`` and the
-attack suite report the trade-off against it). ``kind="dense"`` is App. A's comparison: a
-Gaussian random matrix; ``kind="permutation"`` is the permutation-only variant the VMA attack of
+the value was lost in extraction). :data:`DEFAULT_SCALING_RANGE` ``= 2`` is this reconstruction's
+choice: its bf16 error stays near plain bf16 attention's, while larger ranges buy lower kNN
+overlap at a growing bf16 cost (``fedfm fedrag-attacks`` and ``fedfm bench-fedrag`` measure
+both; ``docs/fedrag.md`` quotes them). ``kind="dense"`` is App. A's comparison: a Gaussian
+random matrix; ``kind="permutation"`` is the permutation-only variant the VMA attack of
 §6 defeats (no Hadamard, no scaling).
 
 Keys come from randomness an inquirer and a context owner share and nobody else can reproduce
