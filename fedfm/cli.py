@@ -8,6 +8,9 @@
 ``fedfm bench-extraction``  model-extraction attacks from a curious client's view (App. C).
 ``fedfm red-team``  every attack on fedfm's promises against the current code, with its outcome.
 ``fedfm train-llm``  the embedded decoder LLM (FedRAG, SLIP, CENTAUR): train once, cache, report.
+``fedfm bench-fedrag``  FedRAG vs secret sharing vs plaintext: TTFT, tok/s, traffic, accuracy.
+``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler (docstrings).
+``fedfm fedrag-attacks``  FedRAG §6: the compute node's attacks on the scrambler, as curves.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
@@ -827,7 +830,86 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_train_llm_arguments(train_llm)
     train_llm.set_defaults(handler=_train_llm)
+
+    bench_fedrag = commands.add_parser(
+        "bench-fedrag",
+        help="FedRAG: TTFT, decode tok/s, traffic, round trips vs secret sharing and plaintext; "
+        "fp32 equality with plaintext RAG; bf16 scrambler error (App. A)",
+    )
+    _fedrag_arguments(bench_fedrag)
+    bench_fedrag.add_argument("--queries", type=int, default=20, help="accuracy queries (20)")
+    bench_fedrag.add_argument("--tokens", type=int, default=32, help="tokens per query (32)")
+    bench_fedrag.add_argument(
+        "--contexts", default="24,48", help="tokens per owner for the timing runs (24,48)"
+    )
+    bench_fedrag.add_argument(
+        "--bench-tokens", type=int, default=16, help="generated tokens in timing runs (16)"
+    )
+    bench_fedrag.add_argument("--repeats", type=int, default=3, help="timing runs (3)")
+    bench_fedrag.set_defaults(handler=_bench_fedrag)
+
+    ablation = commands.add_parser(
+        "fedrag-ablation",
+        help="FedRAG Table 3: baseline / +distributed / +scrambler on docstring completion",
+    )
+    _fedrag_arguments(ablation)
+    ablation.add_argument("--queries", type=int, default=40, help="queries (40)")
+    ablation.add_argument("--tokens", type=int, default=8, help="generated tokens (8)")
+    ablation.set_defaults(handler=_fedrag_ablation)
+
+    attacks = commands.add_parser(
+        "fedrag-attacks",
+        help="FedRAG §6: kNN overlap vs rows and scaling range (with bf16 error), ICA, known "
+        "plaintext",
+    )
+    attacks.add_argument("--results-dir", type=Path, default=Path("results"))
+    attacks.set_defaults(handler=_fedrag_attacks)
     return parser
+
+
+def _fedrag_attacks(args: argparse.Namespace) -> None:
+    from fedfm.experiments.fedrag_attacks import run_fedrag_attacks
+
+    run_fedrag_attacks(results_dir=args.results_dir)
+
+
+def _fedrag_arguments(parser: argparse.ArgumentParser) -> None:
+    from fedfm.protocols.fedrag.defaults import DEFAULTS
+
+    parser.add_argument("--decoder", default=DEFAULTS["decoder"], help="decoder (embedded name)")
+    parser.add_argument("--decoder-cache", type=Path, default=Path(str(DEFAULTS["decoder-cache"])))
+    parser.add_argument("--results-dir", type=Path, default=Path("results"))
+
+
+def _bench_fedrag(args: argparse.Namespace) -> None:
+    from fedfm.experiments.fedrag_bench import run_fedrag_benchmark
+
+    try:
+        contexts = tuple(int(x) for x in args.contexts.split(","))
+    except ValueError:
+        raise FedfmError(f"--contexts takes integers like 24,48, got {args.contexts!r}") from None
+    run_fedrag_benchmark(
+        decoder=args.decoder,
+        decoder_cache=args.decoder_cache,
+        queries=args.queries,
+        tokens=args.tokens,
+        contexts=contexts,
+        bench_tokens=args.bench_tokens,
+        repeats=args.repeats,
+        results_dir=args.results_dir,
+    )
+
+
+def _fedrag_ablation(args: argparse.Namespace) -> None:
+    from fedfm.experiments.fedrag_bench import run_fedrag_ablation
+
+    run_fedrag_ablation(
+        decoder=args.decoder,
+        decoder_cache=args.decoder_cache,
+        queries=args.queries,
+        tokens=args.tokens,
+        results_dir=args.results_dir,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -702,7 +702,9 @@ STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
 # Each protocol's own attack suite: ``"module:function"``, a function of no arguments returning
 # a list of AttackResult (imported only when the red team runs; the protocol's harness module
 # lives in fedfm.experiments). One line per protocol.
-PROTOCOL_SUITES: dict[str, str] = {}
+PROTOCOL_SUITES: dict[str, str] = {
+    "fedrag": "fedfm.experiments.fedrag_attacks:red_team_suite",
+}
 
 
 def protocol_suite(name: str) -> Callable[[], list[AttackResult]]:
