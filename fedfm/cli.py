@@ -390,8 +390,16 @@ def _red_team(args: argparse.Namespace) -> None:
     if not args.skip_extraction:
         config, federation, _ = _protocol_from_args(args)
         extraction = (_run_from_args(args, args.workdir), config, federation)
+    protocols = (
+        None
+        if args.protocols == "all"
+        else [name for name in args.protocols.split(",") if name.strip() and name != "none"]
+    )
     results = run_red_team(
-        extraction=extraction, results_dir=args.results_dir, command=args.command_line
+        extraction=extraction,
+        results_dir=args.results_dir,
+        command=args.command_line,
+        protocols=protocols,
     )
     succeeded = [r.name for r in results if r.outcome != "defended"]
     print(
@@ -712,6 +720,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-extraction",
         action="store_true",
         help="leave out the extraction attacks (they need the distilled student in --workdir)",
+    )
+    red_team.add_argument(
+        "--protocols",
+        default="all",
+        help="protocol attack suites to run besides double-blind's: 'all', 'none' or a comma "
+        "list (e.g. fedrag)",
     )
     red_team.set_defaults(handler=_red_team)
 

@@ -35,6 +35,21 @@ class ProtocolError(FedfmError):
     """A protocol message arrived in a state that does not allow it, or is malformed."""
 
 
+class ProtocolAbort(ProtocolError):
+    """A refusal after which the refusing party leaves the run.
+
+    A refused request normally changes nothing on the node that refuses it. A refusal that follows
+    a decryption is different: whether a party refuses can itself tell the sender something (an
+    oracle), so the party closes the door instead of answering again. ``state`` is the role's
+    new state (whatever the role's state type is), which the node saves before it reports the
+    refusal.
+    """
+
+    def __init__(self, message: str, state: object) -> None:
+        super().__init__(message)
+        self.state = state
+
+
 class InvariantError(Exception):
     """An internal invariant broke: a bug in fedfm, not a problem with the caller's input.
 

@@ -8,6 +8,7 @@ Imports inside functions count: a cycle held together by a late import is still 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -286,3 +287,27 @@ def test_the_lazy_double_blind_package_exports_what_it_lists() -> None:
     assert sorted(package.__all__) == sorted(package._HOME)
     for name in package.__all__:
         assert getattr(package, name).__module__.endswith(package._HOME[name])
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """The README's test command is what ``.ci/run`` runs: the same install, lint, types and the
+    two pytest lanes in the same order."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(
+        line
+        for line in readme.splitlines()
+        if line.startswith("python3 -m venv .venv") and "pytest" in line
+    )
+    ci = (ROOT / ".ci" / "run").read_text()
+    steps = [step.strip() for step in command.split("&&")]
+    assert steps[:4] == [
+        "python3 -m venv .venv",
+        ".venv/bin/pip install -e '.[test]'",
+        ".venv/bin/ruff check .",
+        ".venv/bin/mypy",
+    ]
+    for step in steps[:4]:
+        assert step in ci, step
+    lanes = re.findall(r'pytest -q -m "([^"]+)"', command)
+    assert lanes == ["not slow and not deployment", "slow or deployment"]
+    assert re.findall(r'lane "([^"]+)"', ci) == lanes

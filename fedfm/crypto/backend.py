@@ -136,6 +136,13 @@ class KeyOwner(ABC):
     def decrypt(self, batch: EncryptedBatch) -> np.ndarray:
         """Decrypt a batch encrypted under this owner's key; refuse any other."""
 
+    def decrypt_received(self, batch: EncryptedBatch) -> np.ndarray:
+        """Decrypt a batch the server computed and sent, refusing (:class:`ProtocolError`) one
+        it did not release (:meth:`Evaluator.release`: for CKKS, at the lowest level with the
+        scale the parameter set computes at). A protocol's data owner decrypts only this way;
+        :meth:`decrypt` stays for measurements of unreleased values."""
+        return self.decrypt(batch)
+
     @abstractmethod
     def load(self, payload: dict[str, np.ndarray]) -> EncryptedBatch:
         """Rebuild a batch received in a message."""

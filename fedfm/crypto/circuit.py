@@ -14,7 +14,7 @@ level (the chain's first two or three primes, kept for the mask: :mod:`fedfm.cry
 operation that needs a level from an operand without headroom first refreshes it. Refreshing
 needs the data owner, so every method that may refresh is a generator (a :data:`Work`): it yields
 a list of masked ciphertexts, is sent back the data owner's fresh ones, and returns its result.
-:func:`~fedfm.crypto.backend.run_lockstep` advances several works together so that their refreshes
+:func:`~fedfm.crypto.backend.lockstep` advances several works together so that their refreshes
 travel in one round trip.
 
 Polynomials are traced (:class:`Traced`) through the same evaluators the plaintext model uses

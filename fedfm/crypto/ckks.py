@@ -400,6 +400,28 @@ class CkksKeyOwner(KeyOwner):
         # float32 like the simulate backend: CKKS carries about 1e-6 relative precision anyway
         return self._packing.from_tokens(values, batch.shape).astype(np.float32)
 
+    def decrypt_received(self, batch: EncryptedBatch) -> np.ndarray:
+        if not isinstance(batch, CkksBatch) or batch.fingerprint != self.fingerprint:
+            raise CryptoParameterError("cannot decrypt: batch is not under this owner's key")
+        lowest = self._seal.last_parms_id()
+        # A computed value's scale drifts from the global scale by the ratio of the primes it
+        # was rescaled by (a few percent at most); a factor of two is a different encoding.
+        wanted = math.log2(self._context.global_scale)
+        for feature in batch.tensor:
+            for ct in feature:
+                if ct.parms_id() != lowest:
+                    raise ProtocolError(
+                        "refusing to decrypt a ciphertext above the lowest level: the server did "
+                        "not release it (re-randomised and flooded), so its noise could show how "
+                        "the server computed it"
+                    )
+                if abs(math.log2(ct.scale) - wanted) > 1:
+                    raise ProtocolError(
+                        f"refusing to decrypt a ciphertext at scale 2^{math.log2(ct.scale):.1f}; "
+                        f"the parameter set computes at 2^{wanted:.0f}"
+                    )
+        return self.decrypt(batch)
+
     def load(self, payload: dict[str, np.ndarray]) -> CkksBatch:
         return _load(payload, self._io, self.fingerprint, top_only=False)
 

@@ -104,9 +104,7 @@ def c1_replay_rate(arena: Arena, *, released: bool, trials: int = 4, seed: int =
     right = 0
     for secret in rng.integers(0, 2, size=trials):
         got = c1_polynomials(received(arena, int(secret), released=released))
-        matches = [
-            all(np.array_equal(a, b) for a, b in zip(got, e, strict=True)) for e in expected
-        ]
+        matches = [all(np.array_equal(a, b) for a, b in zip(got, e, strict=True)) for e in expected]
         guess = matches.index(True) if any(matches) else int(rng.integers(0, 2))
         right += int(guess == secret)
     return right / trials

@@ -17,10 +17,10 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from fedfm.crypto import get_backend
 from fedfm.crypto.randomness import RandomSource, ResearchStream, SecretStream
 from fedfm.data import DataSplits, load_splits
 from fedfm.distillation.pipeline import DistillRun, load_data, obtain_student
-from fedfm.errors import ConfigError, ProtocolError
+from fedfm.errors import ConfigError, ProtocolAbort, ProtocolError
 from fedfm.experiments.bench_protocol import curious_run, extraction_metrics
 from fedfm.experiments.results import write_results
 from fedfm.experiments.secagg_attack import false_dropout_attack, key_substitution_attack
@@ -343,64 +343,106 @@ def round_replay(arena: Arena) -> AttackResult:
     )
 
 
-def _oracle_error(arena: Arena, *, previous_reply: bool) -> float:
-    """|what the server learns - a secret of the client| when it puts a chosen ciphertext (one
-    of the client's own encrypted images) in the loss slot of ``train.loss``.
+# Questions the oracle attack asks per secret, the secrets it goes after (indices of client 0's
+# training images) and the public range of a normalised pixel mean it bisects.
+ORACLE_QUESTIONS = 8
+ORACLE_IMAGES = (3, 9)
+ORACLE_RANGE = (-3.0, 3.0)
 
-    ``previous_reply`` takes the reply the client sent before it computed its own loss: the
-    mean of the decrypted loss ciphertext's first row (commit eb1f50a, ``train_loss``).
-    """
-    server, client, state, setup = _pair(arena)
-    evaluator = server.sessions[0].evaluator
-    images = unpack_batches(setup, "train_images", 1, evaluator.load)[0]
-    chosen = evaluator.take(images, np.array([5]))  # the server's pick: the client's image 5
-    chosen_batch = next(iter(_finished(chosen)))
-    secret = float(arena.data[0].train_images[5].mean())
+
+def _to_loss(
+    arena: Arena,
+    server: DoubleBlindServer,
+    client: DoubleBlindClient,
+    state: ClientState,
+    server_round: int,
+) -> tuple[Any, ClientState]:
+    """Run a round's blocks; the server's ``train.loss`` request and the client's state."""
+    server.abandon(0)
     arrays = server.initial_arrays(arena.model.vit.embed_dim)
-    request: Any = server.start("train", 0, 1, arrays)
+    request: Any = server.start("train", 0, server_round, arrays)
     while isinstance(request, Envelope) and request.message_type != TRAIN_LOSS:
         reply, state = client.handle(request, state)
         request = server.on_reply(reply)
-    count = int(request.config["num_batches"])
-    forged = dict(request.arrays)
-    forged.update(pack_batches("loss", [chosen_batch] * count))
-    forged_request = Envelope(TRAIN_LOSS, 0, request.round, forged, request.config)
-    if previous_reply:
-        key = get_backend(arena.config.backend).restore_key_owner(state.group("key"))
-        learned = float(np.mean(key.decrypt(chosen_batch)[0]))
-        return abs(learned - secret)
-    try:
-        reply, _ = client.handle(forged_request, state)
-    except ProtocolError:
-        return float("inf")  # refused: the server learns nothing
-    return abs(float(reply.config["train_loss"]) - secret)
+    return request, state
 
 
-def _finished(work: Any) -> list[Any]:
+def _oracle_answers(arena: Arena, image: int, *, leaves: bool) -> int:
+    """Yes/no questions about the mean pixel ``x`` of client 0's training image ``image`` that
+    an active server gets answered by forging ``train.loss``: question "is ``x < c``?" is the
+    server's own loss plus an encrypted step ``1[x >= c]`` (under CKKS a polynomial of the
+    image's ciphertext; here, in the simulate arena, computed in the clear), so the client
+    accepts the loss iff the answer is yes. The server bisects :data:`ORACLE_RANGE`; an
+    accepted loss ends the round, so the next question comes in the next round.
+
+    ``leaves=False`` emulates the client before it left the run on a refusal (a refused request
+    left its state as it was, so the server could ask again at once).
+    """
+    server, client, state, _ = _pair(arena)
+    secret = float(arena.data[0].train_images[image].mean())
+    low, high = ORACLE_RANGE
+    answered, server_round = 0, 1
     try:
-        next(work)
-    except StopIteration as stop:
-        return [stop.value]
-    raise ProtocolError("internal: a take that needs refreshes")
+        request, state = _to_loss(arena, server, client, state, server_round)
+        for _ in range(ORACLE_QUESTIONS):
+            middle = (low + high) / 2
+            count = int(request.config["num_batches"])
+            losses = unpack_batches(request, "loss", count, server.sessions[0].evaluator.load)
+            step = 0.0 if secret < middle else 1.0
+            forged = dict(request.arrays)
+            forged.update(
+                pack_batches("loss", [replace(loss, values=loss.values + step) for loss in losses])
+            )
+            try:
+                _, state = client.handle(
+                    Envelope(TRAIN_LOSS, 0, request.round, forged, request.config), state
+                )
+                yes = True
+            except ProtocolAbort as abort:
+                yes = False
+                if leaves:
+                    state = cast(ClientState, abort.state)
+            answered += 1
+            low, high = (low, middle) if yes else (middle, high)
+            if yes:
+                server_round += 1
+                request, state = _to_loss(arena, server, client, state, server_round)
+    except ProtocolError:  # the client refuses without answering: it has left the run
+        pass
+    return answered
+
+
+def _oracle_bits(arena: Arena, *, leaves: bool) -> float:
+    """Mean number of questions answered (bits learned) over :data:`ORACLE_IMAGES`."""
+    return float(np.mean([_oracle_answers(arena, i, leaves=leaves) for i in ORACLE_IMAGES]))
 
 
 def loss_decryption_oracle(arena: Arena) -> AttackResult:
-    """An active server asks the client to 'report the loss' of a ciphertext it chose."""
-    value = _oracle_error(arena, previous_reply=False)
+    """An active server turns the client's check of ``train.loss`` into a yes/no oracle on a
+    value under the client's key (and reads the refusal's text)."""
+    value = _oracle_bits(arena, leaves=True)
+    bound = math.log2(ORACLE_QUESTIONS + 1)
     return AttackResult(
         name="loss_decryption_oracle",
-        target="the data owner's images (any ciphertext under its key)",
+        target="the data owner's images (any value under its key)",
         adversary="active server",
-        outcome=DEFENDED if not np.isfinite(value) or value > 0.1 else SUCCEEDS,
-        figure="|value the server learns - mean pixel of the client's image 5| (none: refused)",
+        outcome=DEFENDED if value <= bound else SUCCEEDS,
+        figure=(
+            f"bits the server learns about an image's mean pixel from {ORACLE_QUESTIONS} "
+            f"questions hidden in train.loss (mean over {len(ORACLE_IMAGES)} images)"
+        ),
         value=value,
-        control=_oracle_error(arena, previous_reply=True),
+        control=_oracle_bits(arena, leaves=False),
         test=f"{TESTS}::test_loss_decryption_oracle",
         detail=(
-            "control: the reply the client computed before (mean of the decrypted loss "
-            "ciphertext's first row); now: the client derives the labels from the gradient, "
-            "checks them against its own, computes its own loss and refuses a server loss that "
-            "is not the cross-entropy of its own predictions"
+            "control: a client whose refusal leaves its state as it was (before this defence) "
+            "answers every question, and a bisection pins the value; now: the client computes "
+            "its own loss from the labels the gradient implies, refuses a loss that is not its "
+            "own without naming any decrypted value, and leaves the run at its first refusal "
+            "after decrypting (refreshes, blocks and the loss alike). Residual (selective "
+            "failure): accepted answers continue, so Q questions in a run tell the server at "
+            f"most log2(Q + 1) bits on average ({bound:.2f} for Q = {ORACLE_QUESTIONS}); Q is "
+            "at most the run's refreshes and losses"
         ),
     )
 
@@ -557,14 +599,17 @@ def refresh_distance_per_run() -> AttackResult:
     small_budget = 2.0**-CKKS_8192_REFRESH.run_budget_bits
     return AttackResult(
         name="refresh_distance_per_run",
-        target="the data owner's intermediate values inside the server's blocks",
+        target=(
+            "the server's intermediate values inside its blocks (its model, seen through the "
+            "client's data)"
+        ),
         adversary="curious client (the key holder) against its own masked refreshes",
         outcome=DEFENDED if value <= -40 else SUCCEEDS,
         figure="log2 of the statistical distance of a whole run's refreshes from masks alone "
         "(deployment set ckks, at the longest run its accountant allows)",
         value=value,
         control=control,
-        test="tests/crypto/test_refresh.py::test_bound_and_accountant_arithmetic",
+        test=f"{TESTS}::test_key_holder_rows_report_the_refresh_budget_and_circuit_privacy",
         detail=(
             f"ckks: 2^{math.log2(deployed.per_ciphertext):.0f} per ciphertext, accountant "
             "refuses past 2^-40; control: the chain before the budget over a default 20-round "
@@ -722,9 +767,17 @@ def run_red_team(
     results_dir: Path = Path("results"),
     log: Callable[[str], None] = print,
     command: str | None = None,
+    protocols: Sequence[str] | None = None,
 ) -> list[AttackResult]:
     """Run every attack (the extraction attacks on ``extraction``'s student, tap set and
-    federation, when given); write ``red_team.json`` and ``red_team.md``."""
+    federation, when given; the attack suites of ``protocols``, default all registered in
+    :data:`PROTOCOL_SUITES`); write ``red_team.json`` and ``red_team.md``."""
+    chosen = list(PROTOCOL_SUITES) if protocols is None else [p.strip() for p in protocols]
+    unknown = sorted(set(chosen) - set(PROTOCOL_SUITES))
+    if unknown:
+        raise ConfigError(
+            f"no attack suite registered for {unknown}; registered: {sorted(PROTOCOL_SUITES)}"
+        )
     results: list[AttackResult] = []
     arena = build_arena()
     for name, attack in ARENA_ATTACKS.items():
@@ -733,7 +786,7 @@ def run_red_team(
     for name, standalone in STANDALONE_ATTACKS.items():
         log(f"[fedfm] red team: {name}")
         results.append(standalone())
-    for protocol in PROTOCOL_SUITES:
+    for protocol in chosen:
         log(f"[fedfm] red team: the {protocol} suite")
         results += protocol_suite(protocol)()
     if extraction is not None:

@@ -5,9 +5,11 @@ request from the state the node kept) and a state type with ``to_records``/``fro
 :func:`make_client_app` turns the two into a Flower ``ClientApp``: decode the message into an
 envelope, load the state from ``context.state``, let the role answer, save the new state and
 reply. A request the role refuses (a :class:`~fedfm.errors.FedfmError`) gets an error reply that
-names the problem and leaves ``context.state`` as it was. On the Deployment Engine every message
-runs in a fresh ``flwr-clientapp`` process, so everything a node keeps between messages (keys,
-sequence numbers, the stage) lives in ``context.state`` and never leaves the node.
+names the problem and leaves ``context.state`` as it was, except a
+:class:`~fedfm.errors.ProtocolAbort`, whose new state (the role leaving the run) is saved. On
+the Deployment Engine every message runs in a fresh ``flwr-clientapp`` process, so everything a
+node keeps between messages (keys, sequence numbers, the stage) lives in ``context.state`` and
+never leaves the node.
 
 A protocol's server side is one function of the grid and the run config;
 :func:`make_server_app` makes it the ServerApp's entry point.
@@ -20,7 +22,7 @@ import shlex
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
@@ -28,7 +30,7 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
-from fedfm.errors import ConfigError, FedfmError
+from fedfm.errors import ConfigError, FedfmError, ProtocolAbort
 from fedfm.flower.codec import (
     envelope_to_reply,
     load_state,
@@ -111,6 +113,8 @@ def make_client_app(
             reply, new_state = role_of(context).handle(envelope, state)
             answer = envelope_to_reply(reply, message)
         except FedfmError as error:
+            if isinstance(error, ProtocolAbort):  # the role leaves: keep the state it left in
+                save_state(cast(StateT, error.state), context.state, names)
             reason = f"{type(error).__name__}: {error}"
             log(WARNING, "[fedfm] refused %s: %s", message.metadata.message_type, reason)
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)

@@ -9,10 +9,11 @@ Each node keeps its state as ``(arrays, config)`` records between requests, as F
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic
+from typing import Generic, cast
 
 import numpy as np
 
+from fedfm.errors import ProtocolAbort
 from fedfm.runtime.identity import Identity
 from fedfm.runtime.node import NodeRuntime, NodeState
 from fedfm.runtime.orchestrator import RunResult, run_protocol
@@ -51,7 +52,11 @@ class LocalNode(Generic[StateT]):
         return self.state_type.from_records(*self.records)
 
     def __call__(self, envelope: Envelope) -> Envelope:
-        reply, state = self.role.handle(envelope, self.state)
+        try:
+            reply, state = self.role.handle(envelope, self.state)
+        except ProtocolAbort as abort:  # the role leaves: keep the state it left in
+            self.records = cast(StateT, abort.state).to_records()
+            raise
         self.records = state.to_records()
         return reply
 

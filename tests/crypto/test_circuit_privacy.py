@@ -22,7 +22,7 @@ from fedfm.crypto import CKKS_8192_REFRESH, ModelGeometry, run_locally
 from fedfm.crypto.backend import drive
 from fedfm.crypto.ckks import CkksBackend, CkksBatch, CkksEvaluator, CkksKeyOwner
 from fedfm.crypto.simulate import SimulateBackend
-from fedfm.errors import CryptoParameterError
+from fedfm.errors import CryptoParameterError, ProtocolError
 from fedfm.experiments import circuit_privacy as privacy
 from tests.helpers import tiny_fhe_vit
 
@@ -174,3 +174,22 @@ def test_released_blocks_match_simulate_within_the_flood(owner) -> None:
         got = model.head(torch.from_numpy(hidden)).argmax(dim=1)
         want = model.head(torch.from_numpy(expected)).argmax(dim=1)
     assert torch.equal(got, want)
+
+
+def test_the_key_holder_decrypts_only_released_ciphertexts(
+    owner: CkksKeyOwner, server: CkksEvaluator, upload: CkksBatch
+) -> None:
+    """``decrypt_received`` (what the protocol's client uses) refuses a ciphertext the server did
+    not release (above the lowest level: its noise was never flooded) or one at another scale,
+    and decrypts a released one as ``decrypt`` does."""
+    taken = run_locally(server.take(server.load(upload.to_payload()), HYPOTHESES[0]), server, owner)
+    released = owner.load(taken.to_payload())  # serialised for the key holder: released
+    np.testing.assert_array_equal(owner.decrypt_received(released), owner.decrypt(released))
+    with pytest.raises(ProtocolError, match="above the lowest level"):
+        owner.decrypt_received(upload)  # a fresh top-level encryption, never released
+    rescaled = owner.load(taken.to_payload())
+    for feature in rescaled.tensor:
+        for ct in feature:
+            ct.scale = ct.scale * 8
+    with pytest.raises(ProtocolError, match="at scale 2\\^"):
+        owner.decrypt_received(rescaled)

@@ -4,6 +4,8 @@ control) and fails against the current code, and ``fedfm red-team`` lists them a
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,11 +13,12 @@ import numpy as np
 import pytest
 
 from fedfm.crypto.randomness import ResearchStream, SecretStream
-from fedfm.errors import ConfigError, ProtocolError
+from fedfm.errors import ConfigError, ProtocolAbort, ProtocolError
 from fedfm.experiments import red_team
 from fedfm.experiments.red_team import DEFENDED, SUCCEEDS, Arena, AttackResult
-from fedfm.protocols.double_blind.client import ClientState
+from fedfm.protocols.double_blind.client import LEFT, ClientState
 from fedfm.protocols.double_blind.config import TRAIN_LOSS
+from fedfm.protocols.double_blind.messages import pack_batches, unpack_batches
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.runtime.transport import Envelope
 
@@ -63,10 +66,36 @@ def test_round_replay(arena: Arena) -> None:
 
 
 def test_loss_decryption_oracle(arena: Arena) -> None:
+    """Yes/no questions hidden in train.loss: every one answered by a client whose refusals
+    left its state alone (a bisection of the pixel to 2^-8 of its range), at most the answers
+    up to the first refusal now."""
     result = red_team.loss_decryption_oracle(arena)
     check(result, "loss_decryption_oracle")
-    assert result.control < 1e-6  # the previous reply was the image's mean pixel, exactly
-    assert result.value == float("inf")  # refused
+    assert result.control == red_team.ORACLE_QUESTIONS
+    assert 1 <= result.value <= np.log2(red_team.ORACLE_QUESTIONS + 1)
+
+
+def test_a_refusal_after_decryption_names_no_value_and_the_client_leaves(arena: Arena) -> None:
+    """The refusal's text goes back to the server (Flower's error reply): it carries no value
+    the client decrypted, and the client, having refused, answers nothing more in the run."""
+    server, client, state, _ = red_team._pair(arena)
+    request, state = red_team._to_loss(arena, server, client, state, 1)
+    count = int(request.config["num_batches"])
+    losses = unpack_batches(request, "loss", count, server.sessions[0].evaluator.load)
+    secret = float(arena.data[0].train_images[5].mean())
+    chosen = [replace(loss, values=np.full_like(loss.values, secret)) for loss in losses]
+    forged = dict(request.arrays)
+    forged.update(pack_batches("loss", chosen))
+    with pytest.raises(ProtocolAbort) as refused:
+        client.handle(Envelope(TRAIN_LOSS, 0, request.round, forged, request.config), state)
+    numbers = [float(x) for x in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", str(refused.value))]
+    assert all(abs(x - secret) > 1e-3 for x in numbers), str(refused.value)
+    left = refused.value.state
+    assert isinstance(left, ClientState) and left.stage == LEFT and not left.arrays
+    with pytest.raises(ProtocolError, match="left the run"):
+        client.handle(Envelope(TRAIN_LOSS, 0, request.round, request.arrays, request.config), left)
+    with pytest.raises(ProtocolError, match="left the run"):
+        client.handle(server.setup_request(0), left)
 
 
 @pytest.mark.ckks
@@ -96,6 +125,33 @@ def test_relay_pin_injection() -> None:
     result = red_team.relay_pin_injection()
     check(result, "relay_pin_injection")
     assert (result.control, result.value) == (1.0, 0.0)
+    # the same injection through the runtime's ClientApp role builder (what a SuperNode runs):
+    # the relay's run config names pins, the site's node config has roles but no pins
+    from flwr.app import Context, RecordDict
+
+    from fedfm.protocols.masked_sum import masked_sum
+    from fedfm.runtime.identity import Identity, IdentityError, KeyBundle, format_pins
+    from fedfm.runtime.settings import node_settings
+    from fedfm_clients.runtime import node_runtime
+
+    relay = Identity.generate()
+    context = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"roles": "alice"},
+        state=RecordDict(),
+        run_config={"pins": format_pins({"bob": relay.fingerprint})},
+    )
+    with pytest.raises(ConfigError, match=r"run config keys \['pins'\] are refused"):
+        node_runtime(masked_sum, context)
+    # without the relay's keys the site's own node config decides: no identity key is an error
+    # naming the key, and a peer without a pin is refused naming 'pins'
+    context.run_config = {}
+    with pytest.raises(ConfigError, match="node config 'identity-key'"):
+        node_runtime(masked_sum, context)
+    forged = KeyBundle.signed(relay, ("bob",), os.urandom(32), b"d" * 32, b"s" * 16)
+    with pytest.raises(IdentityError, match="node config 'pins'"):
+        forged.verify("bob", node_settings(context.node_config).pins, b"d" * 32, b"s" * 16)
 
 
 def test_the_client_refuses_what_its_stage_does_not_expect(arena: Arena) -> None:
@@ -107,10 +163,11 @@ def test_the_client_refuses_what_its_stage_does_not_expect(arena: Arena) -> None
     with pytest.raises(ProtocolError, match=r"cannot accept 'query\.setup'"):
         client.handle(server.setup_request(0), open_state)
     loss = Envelope(TRAIN_LOSS, 0, 1, {}, {"num_batches": 2})
-    with pytest.raises(ProtocolError, match="after the last block, once"):
+    with pytest.raises(ProtocolAbort, match="after the last block, once") as early:
         client.handle(loss, open_state)
+    assert isinstance(early.value.state, ClientState) and early.value.state.stage == LEFT
     # a second block 1 of the open round is a replay of it
-    with pytest.raises(ProtocolError, match="rounds only move forward"):
+    with pytest.raises(ProtocolAbort, match="rounds only move forward"):
         client.handle(request, open_state)
     # state unchanged by refusals: the next block still fits
     server.on_reply(reply)
@@ -122,6 +179,12 @@ def test_the_policy_comes_from_node_config_and_names_its_rules() -> None:
         {"allow-plaintext": "true", "min-aggregate": 3, "max-rounds": 5, "partition-id": 0}
     )
     assert policy == DataOwnerPolicy(allow_plaintext=True, min_aggregate=3, max_rounds=5)
+    strict = DataOwnerPolicy.from_node_config({"backends": "ckks"})
+    strict.check_setup(backend="ckks", secure_aggregation=True, rounds=6)
+    with pytest.raises(ProtocolError, match=r"accepts only \['ckks'\] \(node config backends\)"):
+        strict.check_setup(backend="ckks-8192", secure_aggregation=True, rounds=6)
+    with pytest.raises(ConfigError, match="'backends' must be a string"):
+        DataOwnerPolicy.from_node_config({"backends": 3})
     with pytest.raises(ProtocolError, match="max-rounds=5"):
         policy.check_setup(backend="ckks", secure_aggregation=True, rounds=6)
     with pytest.raises(ProtocolError, match="min-aggregate=3"):
@@ -164,3 +227,9 @@ def test_red_team_command_writes_every_attack(tmp_path: Path) -> None:
         assert {"target", "adversary", "figure", "value", "control"} <= set(row)
     assert "| permutation_replay |" in (tmp_path / "red_team.md").read_text()
     assert np.isfinite([row["control"] for row in payload["rows"]]).all()
+
+
+def test_the_red_team_names_an_unknown_protocol_suite(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no attack suite registered for \['nope'\]"):
+        red_team.run_red_team(results_dir=tmp_path, log=lambda _: None, protocols=["nope"])
+    assert not list(tmp_path.iterdir())

@@ -31,8 +31,7 @@ from fedfm.secagg import (
 )
 from fedfm.secagg.authentication import sign_keys
 from fedfm.secagg.channel import new_private_key, public_key_of
-from tests.secagg.support import InProcessRound
-from tests.secagg.test_secagg import assert_is_average_of, config, make_updates
+from tests.secagg.support import InProcessRound, assert_is_average_of, config, make_updates
 
 
 def semi_honest(nodes) -> dict[int, KeyAuthentication]:

@@ -23,7 +23,6 @@ from fedfm.secagg import (
     MaskedInputReply,
     MaskedInputRequest,
     Quantizer,
-    SecAggConfig,
     SecAggServer,
     ShareKeysReply,
     ShareKeysRequest,
@@ -42,68 +41,15 @@ from fedfm.secagg import (
 )
 from fedfm.secagg.messages import CIPHERTEXT_BYTES
 from fedfm.secagg.sharing import SHARE_BYTES
-from tests.secagg.support import InProcessRound
-
-CLIP = 1.0
-BITS = 16  # one step (3e-5) is far above float32 rounding, so the bound is the quantization's
-SHAPES = {"adapter.down": (6, 4), "adapter.up": (4, 6), "head.weight": (3, 8), "head.bias": (3,)}
-
-
-def make_updates(
-    count: int,
-    *,
-    shapes: dict[str, tuple[int, ...]] = SHAPES,
-    seed: int = 0,
-    spread: float = 0.9 * CLIP,
-) -> dict[int, ClientUpdate]:
-    """Updates keyed by Flower-like node ids: arbitrary, some above 2**63."""
-    rng = np.random.default_rng(seed)
-    ids = sorted({int(i) for i in rng.integers(1, 2**64 - 1, size=count, dtype=np.uint64)})
-    assert len(ids) == count
-    return {
-        node: ClientUpdate(
-            {
-                name: rng.uniform(-spread, spread, shape).astype(np.float32)
-                for name, shape in shapes.items()
-            },
-            int(rng.integers(1, 500)),
-        )
-        for node in ids
-    }
-
-
-def weighted_average(updates: dict[int, ClientUpdate], nodes, clip: float = CLIP):
-    total = sum(updates[n].num_examples for n in nodes)
-    names = next(iter(updates.values())).arrays
-    return {
-        name: sum(
-            updates[n].num_examples
-            * np.clip(updates[n].arrays[name].astype(np.float64), -clip, clip)
-            for n in nodes
-        )
-        / total
-        for name in names
-    }, total
-
-
-def bound(config: SecAggConfig) -> float:
-    """The documented bound: one quantization step, plus float32 rounding of the output."""
-    return config.quantizer.step + config.clipping_range * 2.0**-23
-
-
-def assert_is_average_of(result, updates, nodes, config) -> None:
-    expected, total = weighted_average(updates, nodes, config.clipping_range)
-    assert result.included == frozenset(nodes)
-    assert result.total_weight == total
-    assert list(result.arrays) == list(next(iter(updates.values())).arrays)
-    for name, value in expected.items():
-        assert result.arrays[name].dtype == np.float32
-        assert result.arrays[name].shape == value.shape
-        assert np.max(np.abs(result.arrays[name] - value)) <= bound(config), name
-
-
-def config(**overrides) -> SecAggConfig:
-    return SecAggConfig(**{"clipping_range": CLIP, "quantization_bits": BITS, **overrides})
+from tests.secagg.support import (
+    CLIP,
+    SHAPES,
+    InProcessRound,
+    assert_is_average_of,
+    bound,
+    config,
+    make_updates,
+)
 
 
 # -- the aggregate ------------------------------------------------------------------------------

@@ -3,7 +3,13 @@
 The client's state is a plain :class:`ClientState` (arrays and config values) that the Flower
 adapter keeps in ``context.state`` between messages; :meth:`DoubleBlindClient.handle` takes a
 state and a message and returns the reply and the new state, never mutating the old one, so a
-refused message loses nothing. The secret key lives only in that state.
+refused message loses nothing. The secret key lives only in that state. One exception: a request
+refused after setup (a refresh outside the calibrated range, labels or a loss that are not the
+client's own, a block out of order) is answered with :class:`~fedfm.errors.ProtocolAbort`, whose
+state is the client having left the run (stage ``left``: no key, every later message refused).
+Whether the client refuses a ciphertext the server chose is an answer about what it decrypted,
+so it gives that answer once; a refusal's text never names a decrypted value. The client
+decrypts only released ciphertexts (:meth:`~fedfm.crypto.backend.KeyOwner.decrypt_received`).
 
 What the client sees (spec ``001`` §3.2): every block's outputs for its own batches, permuted by
 a permutation it never receives; relative permutations between consecutive blocks (enough to
@@ -35,7 +41,7 @@ import torch
 
 from fedfm.crypto import get_backend
 from fedfm.crypto.backend import CryptoBackend, KeyOwner
-from fedfm.errors import ConfigError, DataError, ProtocolError
+from fedfm.errors import ConfigError, DataError, FedfmError, ProtocolAbort, ProtocolError
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -163,6 +169,21 @@ ALLOWED = {
     "secagg": {TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
     "evaluate": {TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
 }
+# The stage of a client that refused a request after setup: it answers nothing more in this run
+# (see :meth:`DoubleBlindClient.handle`).
+LEFT = "left"
+
+
+def left_run(state: ClientState) -> ClientState:
+    """``state`` after the client leaves the run: no key, no round, only the round counters."""
+    return ClientState(
+        stage=LEFT,
+        round=state.round,
+        trained_round=state.trained_round,
+        evaluated_round=state.evaluated_round,
+    )
+
+
 # A decrypted one-hot label or a gradient row ``(p - y) n`` is within this of 0 or 1 (CKKS adds
 # errors of about 1e-4 of the range; anything further is not a label the client holds).
 LABEL_TOLERANCE = 0.1
@@ -253,6 +274,11 @@ class DoubleBlindClient:
     # -- entry point -----------------------------------------------------------------------
     def handle(self, envelope: Envelope, state: ClientState) -> tuple[Envelope, ClientState]:
         """Answer ``envelope`` from ``state``; raises :class:`ProtocolError` if it does not fit."""
+        if state.stage == LEFT:
+            raise ProtocolError(
+                f"{envelope.message_type!r} refused: this data owner left the run after refusing "
+                f"a request in round {state.round}"
+            )
         if envelope.message_type not in ALLOWED.get(state.stage, set()):
             raise ProtocolError(
                 f"client in stage {state.stage!r} cannot accept {envelope.message_type!r}"
@@ -263,14 +289,24 @@ class DoubleBlindClient:
             return self._secure_aggregation(envelope, state)
         backend = self.backend_for(str(state.config.get("backend")))
         key = backend.restore_key_owner(state.group("key"))
-        if envelope.message_type == REFRESH:
-            # Masked ciphertexts only: the client re-encrypts them and learns nothing; its state
-            # does not change.
-            fresh = key.refresh(envelope.arrays)
-            return Envelope(REFRESH, envelope.node_id, envelope.round, fresh, {}), state
-        if envelope.message_type == TRAIN_LOSS:
-            return self._loss(envelope, state, key)
-        return self._block(envelope, state, key)
+        try:
+            if envelope.message_type == REFRESH:
+                # Masked ciphertexts only: the client re-encrypts them and learns nothing; its
+                # state does not change.
+                fresh = key.refresh(envelope.arrays)
+                return Envelope(REFRESH, envelope.node_id, envelope.round, fresh, {}), state
+            if envelope.message_type == TRAIN_LOSS:
+                return self._loss(envelope, state, key)
+            return self._block(envelope, state, key)
+        except FedfmError as error:
+            # Whether the client refuses a ciphertext the server chose is itself an answer (an
+            # oracle: "is this value in range / a label of mine / my loss?"). Answering once
+            # leaks at most that one bit; staying to answer again would let the server search.
+            raise ProtocolAbort(
+                f"{error} (this data owner leaves the run: after a refusal it answers nothing "
+                "more, so the fact of refusing tells the server at most one bit)",
+                state=left_run(state),
+            ) from error
 
     # -- steps -------------------------------------------------------------------------------
     def _setup(self, envelope: Envelope, state: ClientState) -> tuple[Envelope, ClientState]:
@@ -404,7 +440,7 @@ class DoubleBlindClient:
                 f"{envelope.message_type} block {request.block}: batch shapes "
                 f"{[b.shape for b in request.batches]} differ from block 1's"
             )
-        plain = {str(i): key.decrypt(batch) for i, batch in enumerate(request.batches)}
+        plain = {str(i): key.decrypt_received(batch) for i, batch in enumerate(request.batches)}
         arrays = state.with_group(f"block{request.block}", plain)
         state = replace(state, stage=kind, block=request.block, arrays=arrays)
         if request.block < request.num_blocks:
@@ -424,7 +460,7 @@ class DoubleBlindClient:
             if len(request.labels) != len(sizes):
                 raise ProtocolError("evaluate.block: the last block lacks the encrypted labels")
             labels = [
-                self._labels(key.decrypt(batch), size, "evaluation labels")
+                self._labels(key.decrypt_received(batch), size, "evaluation labels")
                 for batch, size in zip(request.labels, sizes, strict=True)
             ]
             # every held-out sample once: the labels are exactly the client's own held-out ones
@@ -469,10 +505,8 @@ class DoubleBlindClient:
         got = np.bincount(labels, minlength=classes)
         held = np.bincount(own, minlength=classes)
         if (exact and not np.array_equal(got, held)) or (got > held).any():
-            raise ProtocolError(
-                f"the labels the server returned (per class {got.tolist()}) are not this "
-                f"client's (per class {held.tolist()}): refused"
-            )
+            # neither histogram goes into the message: one is the client's, the other decrypted
+            raise ProtocolError("the labels the server returned are not this client's: refused")
 
     def _loss(
         self, envelope: Envelope, state: ClientState, key: KeyOwner
@@ -502,7 +536,7 @@ class DoubleBlindClient:
         for index, (out, loss, gradient) in enumerate(zip(logits, losses, gradients, strict=True)):
             rows = out.shape[0]
             probs = out.detach().softmax(dim=1).numpy()
-            decrypted = key.decrypt(gradient)
+            decrypted = key.decrypt_received(gradient)
             if decrypted.shape != probs.shape:
                 raise ProtocolError(
                     f"train.loss gradient {index} has shape {decrypted.shape}, expected "
@@ -515,11 +549,12 @@ class DoubleBlindClient:
             own_loss = float(
                 -(one_hot_labels * np.log(np.maximum(probs, 1e-12))).sum(axis=1).mean()
             )
-            server_loss = key.decrypt(loss)
+            server_loss = key.decrypt_received(loss)
             if server_loss.shape != (1,) or abs(float(server_loss[0]) - own_loss) > LABEL_TOLERANCE:
+                # no value in the message: the server must not read what the client decrypted
                 raise ProtocolError(
-                    f"train.loss {index}: the server's loss {server_loss.ravel()[:1]} is not the "
-                    f"cross-entropy of this client's predictions ({own_loss:.4f})"
+                    f"train.loss {index}: the server's loss is not the cross-entropy of this "
+                    "client's predictions: refused"
                 )
             own_losses.append(own_loss)
             own_gradients.append((probs - one_hot_labels) / rows)

@@ -18,6 +18,11 @@ node config key                   default    meaning
                                              aggregate the data owner contributes to
 ``max-revealed-blocks``           0          most block outputs decrypted per batch (0: any)
 ``max-rounds``                    0          most training rounds taken part in (0: any)
+``backends``                      ""         the backends accepted, comma-separated (empty:
+                                             any encrypted one, and ``simulate`` if
+                                             ``allow-plaintext``); e.g. ``ckks`` refuses
+                                             ``ckks-8192``, whose refresh budget is 2^-30 per
+                                             run instead of 2^-40 (``docs/ckks.md``)
 ================================  =========  =================================================
 """
 
@@ -43,6 +48,12 @@ class DataOwnerPolicy:
     min_aggregate: int = SMALLEST_AGGREGATE
     max_revealed_blocks: int = 0
     max_rounds: int = 0
+    backends: str = ""
+
+    @property
+    def accepted_backends(self) -> frozenset[str]:
+        """The backend names of ``backends`` (empty: no restriction beyond plaintext)."""
+        return frozenset(name.strip() for name in self.backends.split(",") if name.strip())
 
     def __post_init__(self) -> None:
         if self.min_aggregate < SMALLEST_AGGREGATE:
@@ -66,6 +77,9 @@ class DataOwnerPolicy:
             default = getattr(cls, field.name)
             if isinstance(default, bool):
                 value = _boolean(key, value)
+            elif isinstance(default, str):
+                if not isinstance(value, str):
+                    raise ConfigError(f"node config {key!r} must be a string, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"node config {key!r} must be an integer, got {value!r}")
             values[field.name] = value
@@ -83,6 +97,12 @@ class DataOwnerPolicy:
             raise ProtocolError(
                 f"the server asks for backend {backend!r}, which sends this data owner's images "
                 "in plaintext; refused by policy (node config allow-plaintext=true to allow it)"
+            )
+        accepted = self.accepted_backends
+        if accepted and backend not in accepted:
+            raise ProtocolError(
+                f"the server asks for backend {backend!r}; this data owner's policy accepts "
+                f"only {sorted(accepted)} (node config backends)"
             )
         if self.require_secure_aggregation and not secure_aggregation:
             raise ProtocolError(
