@@ -195,6 +195,13 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int | No
     )
     group.add_argument("--batches-per-round", type=int, default=PROTOCOL.batches_per_round)
     group.add_argument(
+        "--evaluate-every",
+        type=int,
+        default=PROTOCOL.evaluate_every,
+        help="evaluate the global model every N rounds and after the last (an encrypted "
+        "evaluation costs about a round's training)",
+    )
+    group.add_argument(
         "--rank", type=int, default=PROTOCOL.rank, help="adapter rank (0: linear probing)"
     )
     group.add_argument(
@@ -284,6 +291,7 @@ def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (
         rounds=args.rounds,
         batch_size=args.batch_size,
         batches_per_round=args.batches_per_round,
+        evaluate_every=args.evaluate_every,
         rank=0 if method == "linear-probe" else args.rank,
         alpha=args.adapter_alpha,
         lr=protocol_lr,

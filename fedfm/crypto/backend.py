@@ -161,6 +161,14 @@ class Evaluator(ABC):
 
     backend: str
 
+    @property
+    @abstractmethod
+    def samples_per_set(self) -> int:
+        """Samples of the model's hidden states that one set of ciphertexts (one per feature)
+        holds. A block costs about the same for any batch up to it, so a protocol packs several
+        batches into one set; a backend without ciphertexts reports the capacity of the
+        parameter set it stands for, so that both keep the same message flow."""
+
     @abstractmethod
     def load(self, payload: dict[str, np.ndarray]) -> EncryptedBatch:
         """Rebuild a batch received in a message, checking it belongs to this context."""

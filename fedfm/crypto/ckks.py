@@ -597,6 +597,10 @@ class CkksEvaluator(Evaluator):
         self.circuit.declare_steps(self.layout.rotation_steps())
         self._io = SealIO(context.seal_context().data)
 
+    @property
+    def samples_per_set(self) -> int:
+        return self.layout.capacity
+
     def _check(self, batch: EncryptedBatch) -> CkksBatch:
         if not isinstance(batch, CkksBatch) or batch.fingerprint != self.fingerprint:
             raise CryptoParameterError("batch is not under this evaluator's key")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedfm.crypto.params import group_slots, samples_per_ciphertext
 from fedfm.errors import ConfigError, ProtocolError
 
 
@@ -57,9 +58,7 @@ class SlotLayout:
     def for_tokens(cls, slots: int, tokens: int) -> SlotLayout:
         """The layout of hidden states (and images as patches) with ``tokens`` tokens: groups of
         ``2T - 2`` slots (``2T - 1`` for two tokens, which would have no copy otherwise)."""
-        if tokens == 1:
-            return cls(slots, 1, 1, False)
-        return cls(slots, tokens, 2 * tokens - (1 if tokens == 2 else 2), True)
+        return cls(slots, tokens, group_slots(tokens), tokens > 1)
 
     @property
     def copies(self) -> int:
@@ -79,7 +78,7 @@ class SlotLayout:
     @property
     def capacity(self) -> int:
         """Samples per ciphertext (a power of two)."""
-        return 1 << ((self.slots // self.group).bit_length() - 1)
+        return samples_per_ciphertext(self.slots, self.tokens, self.group)
 
     def ciphertexts_for(self, samples: int) -> int:
         return -(-samples // self.capacity)

@@ -102,6 +102,11 @@ class CkksParameters:
         """Ciphertexts needed to pack ``values`` numbers."""
         return -(-values // self.slots)
 
+    def samples_per_set(self, tokens: int) -> int:
+        """Samples of ``tokens`` tokens one ciphertext per feature holds
+        (:func:`samples_per_ciphertext` with this set's slots)."""
+        return samples_per_ciphertext(self.slots, tokens)
+
     def check_secure(self) -> None:
         """Raise :class:`CryptoParameterError` unless the set meets 128-bit security."""
         if not self.secure_128:
@@ -143,3 +148,24 @@ CKKS_16384 = CkksParameters(
 # 2^-49 from masks alone at the calibrated bound, a block of the embedded model 2^-38, so this
 # set cannot keep a run within 2^-40; it is rated for 2^-30 (2^19 refreshed ciphertexts).
 CKKS_8192_REFRESH = CkksParameters(8192, (60, 58, 40, 60), 40, run_budget_bits=30)
+
+
+def group_slots(tokens: int) -> int:
+    """Slots one sample's group takes in the packing of ``tokens`` tokens
+    (:mod:`fedfm.crypto.packing`): ``2T - 2`` (its tokens and copies of all but the last two),
+    ``2T - 1`` for two tokens, one slot for a single token."""
+    if tokens < 1:
+        raise CryptoParameterError(f"a sample has at least one token, got {tokens}")
+    if tokens == 1:
+        return 1
+    return 2 * tokens - (1 if tokens == 2 else 2)
+
+
+def samples_per_ciphertext(slots: int, tokens: int, group: int | None = None) -> int:
+    """The largest power of two of sample groups (of ``group`` slots, default
+    :func:`group_slots`) that fits ``slots``: a batch up to it takes one ciphertext per feature,
+    and an encrypted block costs about the same for any batch up to it."""
+    size = group_slots(tokens) if group is None else group
+    if not 1 <= size <= slots:
+        raise CryptoParameterError(f"a group of {size} slots does not fit {slots} slots")
+    return 1 << ((slots // size).bit_length() - 1)

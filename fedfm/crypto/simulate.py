@@ -109,11 +109,18 @@ class SimulatedEvaluator(Evaluator):
 
     backend = NAME
 
-    def __init__(self, public_context: bytes) -> None:
+    def __init__(self, public_context: bytes, geometry: ModelGeometry | None = None) -> None:
         prefix = b"fedfm-simulate-context:"
         if not public_context.startswith(prefix) or len(public_context) != len(prefix) + 16:
             raise CryptoParameterError("not a simulate-backend public context")
         self.key_id = public_context[len(prefix) :]
+        self.geometry = geometry
+
+    @property
+    def samples_per_set(self) -> int:
+        """As under :data:`~fedfm.crypto.params.CKKS_8192`, which this backend stands for."""
+        tokens = 1 if self.geometry is None else self.geometry.tokens
+        return CKKS_8192.samples_per_set(tokens)
 
     def _check(self, batch: EncryptedBatch) -> SimulatedBatch:
         if not isinstance(batch, SimulatedBatch) or batch.key_id != self.key_id:
@@ -187,4 +194,4 @@ class SimulateBackend(CryptoBackend):
     def create_evaluator(
         self, public_context: bytes, geometry: ModelGeometry | None = None
     ) -> SimulatedEvaluator:
-        return SimulatedEvaluator(public_context)
+        return SimulatedEvaluator(public_context, geometry)

@@ -53,7 +53,7 @@ from fedfm.errors import ConfigError, InvariantError, ProtocolError
 from fedfm.experiments.observed import BLOCK_MESSAGES, DrawnBatches
 from fedfm.protocols.double_blind.client import ClientData, ClientState
 from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_SECAGG
-from fedfm.protocols.double_blind.messages import unpack_batches
+from fedfm.protocols.double_blind.messages import SIZE_ARRAYS, BlockRequest
 from fedfm.protocols.double_blind.permutation import relative
 from fedfm.runtime.transport import Envelope
 
@@ -106,7 +106,11 @@ class CuriousClient:
         self.config_keys |= set(request.config)
         adaptation_arrays = {} if request.message_type == TRAIN_SECAGG else request.arrays
         for key, value in adaptation_arrays.items():
-            if np.asarray(value).dtype.kind in "iu" and not key.endswith("key_id"):
+            if (
+                np.asarray(value).dtype.kind in "iu"
+                and not key.endswith("key_id")
+                and key not in SIZE_ARRAYS  # the batches' public sizes
+            ):
                 self.integer_arrays.append((request.message_type, request.round, key, value))
         if request.message_type not in BLOCK_MESSAGES:
             return
@@ -118,10 +122,10 @@ class CuriousClient:
         labels: list[np.ndarray | None] = [None] * count
         if request.message_type == EVALUATE_BLOCK:
             key = self.backend.restore_key_owner(state.group("key"))
-            labels = [
-                key.decrypt(batch).argmax(axis=1)
-                for batch in unpack_batches(request, "labels", count, key.load)
-            ]
+            packed = BlockRequest.from_envelope(request, key.load)
+            rows = np.concatenate([key.decrypt(batch) for batch in packed.labels])
+            splits = np.cumsum(packed.batch_sizes)[:-1]
+            labels = [part.argmax(axis=1) for part in np.split(rows, splits)]
         kind = "evaluate" if request.message_type == EVALUATE_BLOCK else "train"
         for i in range(count):
             blocks = [state.group(f"block{b}")[str(i)] for b in range(1, num_blocks + 1)]

@@ -41,6 +41,7 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_SECAGG,
     revealed_blocks,
 )
+from fedfm.protocols.double_blind.messages import SIZE_ARRAYS
 from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data
@@ -214,7 +215,11 @@ def test_one_round_between_roles_and_what_the_client_receives(model, splits) -> 
     drawn = [p for perms in server.sessions[7].in_flight.permutations for p in perms.orders]
     received_ints = []
     while True:
-        received_ints += [v for v in request.arrays.values() if v.dtype == np.int64]
+        received_ints += [
+            v
+            for k, v in request.arrays.items()
+            if v.dtype == np.int64 and k not in SIZE_ARRAYS  # the batches' public sizes
+        ]
         reply, state = client.handle(request, state)
         outcome = server.on_reply(reply)
         if not isinstance(outcome, Envelope):
@@ -388,6 +393,21 @@ def test_in_process_run_accounts_round_trips(model, splits) -> None:
     shown = len(revealed_blocks(config.reveal, model.num_blocks))
     assert all(record.round_trips == 2 * shown + 5 for record in history)
     assert transport.stats.round_trips == 1 + 3 * (2 * shown + 5)
+
+
+def test_evaluate_every_skips_evaluations_but_not_the_last(model, splits) -> None:
+    """``evaluate_every=2`` over 3 rounds: round 2 and the last round are evaluated; round 1
+    trains only (R fewer round trips, NaN accuracies, no client evaluated)."""
+    config = small_config(rounds=3, evaluate_every=2)
+    history, _ = run_research(model, splits, config, Federation(num_clients=2), log=lambda _: None)
+    shown = len(revealed_blocks(config.reveal, model.num_blocks))
+    assert [record.clients_evaluated for record in history] == [0, 2, 2]
+    assert np.isnan(history[0].balanced_accuracy) and np.isnan(history[0].accuracy)
+    assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history[1:])
+    assert [record.round_trips for record in history] == [shown + 5] + [2 * shown + 5] * 2
+    with pytest.raises(ConfigError, match="evaluate_every must be >= 1"):
+        small_config(evaluate_every=0)
+    assert "evaluate_every" not in config.client_settings()  # the server's schedule
 
 
 def test_a_client_dropping_mid_round_leaves_the_round_to_the_others(model, splits) -> None:

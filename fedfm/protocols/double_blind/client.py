@@ -208,6 +208,19 @@ def require_count(envelope: Envelope) -> int:
     return count
 
 
+def _unpacked(
+    key: KeyOwner, packed: list[Any], sets: list[list[int]], sizes: list[int]
+) -> dict[str, np.ndarray]:
+    """Each batch's rows (by batch index, as a string) out of the decrypted sets that carry
+    them (:class:`~fedfm.protocols.double_blind.messages.BlockRequest`)."""
+    plain = {}
+    for batch, members in zip(packed, sets, strict=True):
+        values = key.decrypt_received(batch)
+        parts = np.split(values, np.cumsum([sizes[i] for i in members])[:-1])
+        plain.update({str(index): part for index, part in zip(members, parts, strict=True)})
+    return plain
+
+
 def _check_permutations(
     what: str, wrap: np.ndarray, steps: np.ndarray, size: int, num_blocks: int
 ) -> None:
@@ -395,7 +408,7 @@ class DoubleBlindClient:
         """Batches as the run's settings allow: training ``batches_per_round`` of ``n``
         distinct samples at most, evaluation every held-out sample once in batches of ``n`` to
         ``2n - 1``."""
-        sizes = [batch.shape[0] for batch in request.batches]
+        sizes = request.batch_sizes
         n = config.batch_size
         if kind == "train":
             total = len(self.data.train_labels)
@@ -433,21 +446,32 @@ class DoubleBlindClient:
                 f"round {state.round} ({state.stage})"
             )
         first = state.group("block1")
-        if request.block > 1 and [b.shape for b in request.batches] != [
-            first[str(i)].shape for i in range(len(first))
+        if request.block > 1 and request.batch_sizes != [
+            first[str(i)].shape[0] for i in range(len(first))
         ]:
             raise ProtocolError(
-                f"{envelope.message_type} block {request.block}: batch shapes "
-                f"{[b.shape for b in request.batches]} differ from block 1's"
+                f"{envelope.message_type} block {request.block}: batches of "
+                f"{request.batch_sizes} rows differ from block 1's"
             )
-        plain = {str(i): key.decrypt_received(batch) for i, batch in enumerate(request.batches)}
+        sets = request.sets()
+        plain = _unpacked(key, request.batches, sets, request.batch_sizes)
+        if request.block > 1 and any(
+            plain[str(i)].shape[1:] != first[str(i)].shape[1:] for i in range(len(first))
+        ):
+            raise ProtocolError(
+                f"{envelope.message_type} block {request.block}: hidden states of another shape "
+                "than block 1's"
+            )
         arrays = state.with_group(f"block{request.block}", plain)
         state = replace(state, stage=kind, block=request.block, arrays=arrays)
         if request.block < request.num_blocks:
-            fresh = [key.encrypt(plain[str(i)]) for i in range(len(request.batches))]
+            # re-encrypted as they came: one set of ciphertexts per set of batches
+            fresh = [
+                key.encrypt(np.concatenate([plain[str(i)] for i in members])) for members in sets
+            ]
             return batch_reply(envelope, {"batch": fresh}), state
 
-        sizes = [batch.shape[0] for batch in request.batches]
+        sizes = request.batch_sizes
         for index, (wrap, steps, size) in enumerate(
             zip(request.wrap, request.steps, sizes, strict=True)
         ):
@@ -455,13 +479,14 @@ class DoubleBlindClient:
         relatives = {f"wrap.{i}": w for i, w in enumerate(request.wrap)}
         relatives |= {f"steps.{i}": s for i, s in enumerate(request.steps)}
         state = replace(state, arrays=state.with_group("perm", relatives))
-        logits = self._forward(state, len(request.batches))
+        logits = self._forward(state, len(sizes))
         if kind == "evaluate":
-            if len(request.labels) != len(sizes):
+            if len(request.labels) != len(sets):
                 raise ProtocolError("evaluate.block: the last block lacks the encrypted labels")
+            decrypted = _unpacked(key, request.labels, sets, sizes)
             labels = [
-                self._labels(key.decrypt_received(batch), size, "evaluation labels")
-                for batch, size in zip(request.labels, sizes, strict=True)
+                self._labels(decrypted[str(i)], size, "evaluation labels")
+                for i, size in enumerate(sizes)
             ]
             # every held-out sample once: the labels are exactly the client's own held-out ones
             self._check_label_counts(np.concatenate(labels), self.data.eval_labels, exact=True)

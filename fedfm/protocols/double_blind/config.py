@@ -29,6 +29,7 @@ DEFAULT_MIN_BATCH_SIZE = 16
 # setting at all: :class:`~fedfm.crypto.randomness.SecretStream`.)
 SERVER_ONLY_SETTINGS = (
     "permute",
+    "evaluate_every",
     "secagg_clipping_range",
     "secagg_bits",
     "secagg_neighbours",
@@ -66,6 +67,10 @@ class DoubleBlindConfig:
         Crypto backend name: ``simulate`` (plaintext stand-in) or ``ckks`` (TenSEAL).
     eval_fraction:
         Share of each client's data held out for evaluation.
+    evaluate_every:
+        Evaluate the global model every this many rounds (and after the last round): an
+        encrypted evaluation costs as much as a round's training, so a long run may evaluate
+        less often. The server's own schedule; clients never receive it.
     reveal:
         Which blocks' (permuted) outputs the client receives: ``all`` (the paper), ``every-other``
         (the last block and every second one before it), ``last-two``, ``last``, or 1-based block
@@ -102,6 +107,7 @@ class DoubleBlindConfig:
     permute: bool = True
     backend: str = _DEFAULT.backend
     eval_fraction: float = _DEFAULT.eval_fraction
+    evaluate_every: int = _DEFAULT.evaluate_every
     reveal: str = _DEFAULT.reveal
     secure_aggregation: bool = _DEFAULT.secure_aggregation
     secagg_clipping_range: float = _DEFAULT.secagg_clipping_range
@@ -130,12 +136,18 @@ class DoubleBlindConfig:
                 f"unknown crypto backend {self.backend!r}; available: {sorted(BACKENDS)}"
             )
         _reveal_numbers(self.reveal)  # the spelling; the range is checked against the model
+        if self.evaluate_every < 1:
+            raise ConfigError(f"evaluate_every must be >= 1, got {self.evaluate_every}")
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         for name in ("secagg_neighbours", "secagg_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
         self.secagg_config(MIN_SECURE_AGGREGATE)  # the SecAgg settings' own checks
+
+    def evaluates(self, server_round: int) -> bool:
+        """Whether the global model is evaluated after 1-based ``server_round``."""
+        return server_round % self.evaluate_every == 0 or server_round == self.rounds
 
     def lr_factor(self, server_round: int) -> float:
         """The learning-rate multiplier in 1-based ``server_round`` (1.0 without ``lr_decay``)."""

@@ -25,6 +25,7 @@ class ProtocolDefaults(NamedTuple):
     lr_decay: bool = False
     backend: str = "simulate"
     eval_fraction: float = 0.2
+    evaluate_every: int = 1
     reveal: str = "last"
     secure_aggregation: bool = True
     secagg_clipping_range: float = 1.0

@@ -3,7 +3,8 @@
 The same loop runs in-process (tests, benchmarks) and in a Flower ServerApp: setup once, then per
 round ``L + 1`` round trips to train (every client's messages go out together), with secure
 aggregation (the default) 4 round trips of SecAgg stages, aggregation through an
-:class:`Aggregator`, and ``L`` round trips to evaluate. Clients that fail or time out are logged
+:class:`Aggregator`, and ``L`` round trips to evaluate (every ``evaluate_every`` rounds and after
+the last; a round not evaluated records NaN accuracies). Clients that fail or time out are logged
 and leave the round; the round goes on while at least ``min_clients`` answer (and, under secure
 aggregation, at least two and as many as the SecAgg threshold needs). After every round the
 global adapter and head are saved; a run started again with the same settings resumes after the
@@ -360,18 +361,22 @@ def run_double_blind(
             train_loss = sum(u.train_loss * u.num_examples for u in updates) / sum(
                 u.num_examples for u in updates
             )
-        results, eval_trips = _phase(
-            server, "evaluate", active, server_round, state.global_arrays, **phase
-        )
+        results: list[ClientUpdate | EvaluationResult] = []
+        eval_trips = 0
+        if config.evaluates(server_round):
+            results, eval_trips = _phase(
+                server, "evaluate", active, server_round, state.global_arrays, **phase
+            )
         confusion = sum(
             (r.confusion for r in results if isinstance(r, EvaluationResult)),
             start=np.zeros((server.num_classes,) * 2, dtype=np.int64),
         )
+        evaluated = confusion.sum() > 0  # NaN accuracies for a round not evaluated
         record = RoundRecord(
             round=server_round,
             train_loss=float(train_loss),
             balanced_accuracy=balanced_accuracy(confusion),
-            accuracy=float(np.trace(confusion) / max(confusion.sum(), 1)),
+            accuracy=float(np.trace(confusion) / confusion.sum()) if evaluated else float("nan"),
             clients_trained=clients_trained,
             clients_evaluated=len(results),
             failures=failures,
@@ -383,10 +388,12 @@ def run_double_blind(
         state.rng_state = server.rng.state()
         if checkpoint_dir is not None:
             save_state(checkpoint_dir, state, identity)
+        accuracy = (
+            f"balanced accuracy {record.balanced_accuracy:.4f}" if evaluated else "not evaluated"
+        )
         log(
             f"[fedfm] round {server_round}/{config.rounds} [{config.backend}]: "
-            f"train loss {record.train_loss:.4f}, balanced accuracy "
-            f"{record.balanced_accuracy:.4f} ({record.clients_trained} trained, "
+            f"train loss {record.train_loss:.4f}, {accuracy} ({record.clients_trained} trained, "
             f"{record.clients_evaluated} evaluated, {record.round_trips} round trips, "
             f"{record.seconds:.1f} s)"
         )

@@ -2,10 +2,11 @@
 
 ``query.setup`` (server): the run's client settings.
     Reply: public context; encrypted train/eval images and one-hot labels.
-``train.block`` / ``evaluate.block`` (server): block ``l``'s permuted encrypted outputs, one per
-    batch; at ``l = 1`` the global adapter and head; at ``l = L`` the relative permutations (and,
-    for evaluation, the encrypted labels permuted to ``pi_{L+1}``).
-    Reply for ``l < L``: the same batches decrypted and re-encrypted. For ``l = L``: in training,
+``train.block`` / ``evaluate.block`` (server): block ``l``'s permuted encrypted outputs, the
+    round's batches packed into sets of ciphertexts (``batch_sizes``, ``set_sizes``); at
+    ``l = 1`` the global adapter and head; at ``l = L`` the relative permutations of every batch
+    (and, for evaluation, the encrypted labels permuted to ``pi_{L+1}``, packed the same way).
+    Reply for ``l < L``: the same sets decrypted and re-encrypted. For ``l = L``: in training,
     encrypted ``softmax`` and ``log_softmax`` of the logits; in evaluation, a confusion matrix.
 ``train.loss`` (server): encrypted mean cross-entropy and logit gradient per batch.
     Reply: updated adapter and head, number of examples, train loss.
@@ -91,9 +92,36 @@ def require_config(envelope: Envelope, key: str, kind: type) -> ConfigValue:
     return value
 
 
+# Integer arrays of a block request that are public sizes, not permutations.
+SIZE_ARRAYS = ("batch_sizes", "set_sizes")
+
+
+def pack_sets(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Consecutive batches (of ``sizes`` rows) grouped into sets of at most ``capacity`` rows,
+    the samples one set of ciphertexts holds (a batch larger than that is a set of its own)."""
+    sets: list[list[int]] = []
+    rows = 0
+    for index, size in enumerate(sizes):
+        if sets and rows + size <= capacity:
+            sets[-1].append(index)
+            rows += size
+        else:
+            sets.append([index])
+            rows = size
+    return sets
+
+
 @dataclass(frozen=True)
 class BlockRequest:
-    """Server to client: block ``block`` (1-based) of ``num_blocks``, permuted, per batch."""
+    """Server to client: block ``block`` (1-based) of ``num_blocks``, permuted.
+
+    The round's batches travel packed: ``batches`` holds one encrypted batch per *set*, the rows
+    of ``set_sizes[s]`` consecutive batches one after the other (a block costs about the same
+    for any batch that fits one set of ciphertexts, :attr:`~fedfm.crypto.backend.Evaluator.
+    samples_per_set`); ``batch_sizes`` gives every batch's rows, in order. Each batch keeps its
+    own permutations (``wrap`` and ``steps``, one per batch); ``labels`` are packed like
+    ``batches``.
+    """
 
     message_type: str
     node_id: int
@@ -101,16 +129,25 @@ class BlockRequest:
     block: int
     num_blocks: int
     batches: list[EncryptedBatch]
+    batch_sizes: list[int]
+    set_sizes: list[int]
     global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     wrap: list[np.ndarray] = field(default_factory=list)
     steps: list[np.ndarray] = field(default_factory=list)
     labels: list[EncryptedBatch] = field(default_factory=list)
+
+    def sets(self) -> list[list[int]]:
+        """The batch indices of each set."""
+        bounds = np.cumsum([0, *self.set_sizes])
+        return [list(range(bounds[s], bounds[s + 1])) for s in range(len(self.set_sizes))]
 
     def to_envelope(self) -> Envelope:
         arrays = {
             **pack_batches("batch", self.batches),
             **pack_arrays("global", self.global_arrays),
             **pack_batches("labels", self.labels),
+            "batch_sizes": np.asarray(self.batch_sizes, dtype=np.int64),
+            "set_sizes": np.asarray(self.set_sizes, dtype=np.int64),
         }
         for index, (wrap, steps) in enumerate(zip(self.wrap, self.steps, strict=True)):
             arrays[f"wrap.{index}"] = wrap.astype(np.int64)
@@ -118,7 +155,8 @@ class BlockRequest:
         config = {
             "block": self.block,
             "num_blocks": self.num_blocks,
-            "num_batches": len(self.batches),
+            "num_batches": len(self.batch_sizes),
+            "num_sets": len(self.batches),
             "has_labels": bool(self.labels),
         }
         return Envelope(self.message_type, self.node_id, self.round, arrays, config)
@@ -128,9 +166,17 @@ class BlockRequest:
         block = int(require_config(envelope, "block", int))
         num_blocks = int(require_config(envelope, "num_blocks", int))
         count = int(require_config(envelope, "num_batches", int))
-        if not 1 <= block <= num_blocks or count < 1:
+        num_sets = int(require_config(envelope, "num_sets", int))
+        if not 1 <= block <= num_blocks or count < 1 or not 1 <= num_sets <= count:
             raise ProtocolError(
-                f"{envelope.message_type}: block {block} of {num_blocks} with {count} batches"
+                f"{envelope.message_type}: block {block} of {num_blocks} with {count} batches "
+                f"in {num_sets} sets"
+            )
+        batch_sizes = _sizes(envelope, "batch_sizes", count)
+        set_sizes = _sizes(envelope, "set_sizes", num_sets)
+        if sum(set_sizes) != count:
+            raise ProtocolError(
+                f"{envelope.message_type}: sets of {set_sizes} batches do not hold {count} batches"
             )
         last = block == num_blocks
         wrap = [envelope.arrays.get(f"wrap.{i}") for i in range(count)] if last else []
@@ -138,18 +184,42 @@ class BlockRequest:
         if any(value is None for value in wrap + steps):
             raise ProtocolError(f"{envelope.message_type}: the last block lacks permutations")
         has_labels = bool(envelope.config.get("has_labels", False))
-        return cls(
+        request = cls(
             message_type=envelope.message_type,
             node_id=envelope.node_id,
             round=envelope.round,
             block=block,
             num_blocks=num_blocks,
-            batches=unpack_batches(envelope, "batch", count, load),
+            batches=unpack_batches(envelope, "batch", num_sets, load),
+            batch_sizes=batch_sizes,
+            set_sizes=set_sizes,
             global_arrays=unpack_arrays(envelope, "global"),
             wrap=wrap,  # type: ignore[arg-type]
             steps=steps,  # type: ignore[arg-type]
-            labels=unpack_batches(envelope, "labels", count, load) if has_labels else [],
+            labels=unpack_batches(envelope, "labels", num_sets, load) if has_labels else [],
         )
+        for packed in (request.batches, request.labels):
+            for batch, members in zip(packed, request.sets(), strict=False):
+                rows = sum(batch_sizes[i] for i in members)
+                if batch.shape[0] != rows:
+                    raise ProtocolError(
+                        f"{envelope.message_type}: a set of batches {members} has "
+                        f"{batch.shape[0]} rows, its batches {rows}"
+                    )
+        return request
+
+
+def _sizes(envelope: Envelope, name: str, count: int) -> list[int]:
+    """A message's ``name`` array: ``count`` positive sizes."""
+    sizes = envelope.arrays.get(name)
+    if (
+        sizes is None
+        or sizes.shape != (count,)
+        or sizes.dtype.kind not in "iu"
+        or (count and int(sizes.min()) < 1)
+    ):
+        raise ProtocolError(f"{envelope.message_type} needs {count} positive {name}")
+    return [int(size) for size in sizes]
 
 
 def batch_reply(

@@ -6,7 +6,10 @@ flight, the batches' indices and permutations. It never holds a secret key.
 
 Per round and client (spec ``001`` §3.2-3.3): draw ``batches_per_round`` batches of ``n``
 samples; for ``l = 1 .. L`` evaluate block ``l`` on each encrypted batch, re-order it into a
-fresh permutation ``pi_l`` and send it; the client re-encrypts and returns it. With the last
+fresh permutation ``pi_l`` and send it; the client re-encrypts and returns it. The batches travel
+packed into sets of ciphertexts (as many as one set holds, :attr:`~fedfm.crypto.backend.
+Evaluator.samples_per_set`): a block costs about the same for one batch as for a full set, and
+each batch keeps its own permutations (a set's permutation is block-diagonal). With the last
 block go the relative permutations. The client answers with encrypted ``softmax`` and
 ``log_softmax`` of its logits (rows in order ``pi_{L+1}``); the server permutes its encrypted
 one-hot labels into the same order and returns the encrypted mean cross-entropy and logit
@@ -56,6 +59,7 @@ from fedfm.protocols.double_blind.messages import (
     BlockRequest,
     geometry_config,
     pack_batches,
+    pack_sets,
     require_config,
     unpack_arrays,
     unpack_batches,
@@ -101,8 +105,21 @@ class _InFlight:
     block: int
     indices: list[np.ndarray]
     permutations: list[RoundPermutations]
-    current: list[EncryptedBatch]
+    current: list[EncryptedBatch]  # one per set of batches
+    sets: list[list[int]] = field(default_factory=list)  # the batches of each set
     stage: Stage | None = None  # waiting for a refresh answer
+
+    def packed(self, per_batch: list[np.ndarray], offsets: bool = False) -> list[np.ndarray]:
+        """Per-batch index arrays joined per set; with ``offsets`` each batch's (orders within
+        its batch) shifted to its rows in the set."""
+        joined = []
+        for members in self.sets:
+            parts, start = [], 0
+            for index in members:
+                parts.append(per_batch[index] + (start if offsets else 0))
+                start += len(per_batch[index])
+            joined.append(np.concatenate(parts))
+        return joined
 
 
 def model_geometry(model: FheViT) -> ModelGeometry:
@@ -260,7 +277,8 @@ class DoubleBlindServer:
             )
             for batch in indices
         ]
-        session.in_flight = _InFlight(kind, server_round, 0, indices, permutations, [])
+        sets = pack_sets([len(batch) for batch in indices], session.evaluator.samples_per_set)
+        session.in_flight = _InFlight(kind, server_round, 0, indices, permutations, [], sets)
         return self._advance(session, self._start_stage(node_id, session, inputs, global_arrays))
 
     def _advance(
@@ -306,7 +324,7 @@ class DoubleBlindServer:
         flight = session.in_flight
         if flight is None:
             raise InvariantError("no request in flight for this node (callers check)")
-        works = [session.evaluator.take(inputs, batch) for batch in flight.indices]
+        works = [session.evaluator.take(inputs, rows) for rows in flight.packed(flight.indices)]
         flight.current = yield from self._refreshing(node_id, session, lockstep(works))
         return (yield from self._block_stage(node_id, session, global_arrays))
 
@@ -330,17 +348,19 @@ class DoubleBlindServer:
                 np.arange(len(perms.after_block(1))) if block == 1 else perms.after_block(block - 1)
             )
             orders.append(relative(previous, perms.after_block(block)))
-        works = [evaluator.take(b, order) for b, order in zip(evaluated, orders, strict=True)]
+        packed = flight.packed(orders, offsets=True)
+        works = [evaluator.take(b, order) for b, order in zip(evaluated, packed, strict=True)]
         outputs = yield from self._refreshing(node_id, session, lockstep(works))
         flight.block, flight.current = block, outputs
         last = block == self.num_blocks
         views = [perms.client_view() for perms in flight.permutations] if last else []
         labels = []
         if last and flight.kind == "evaluate":
-            works = [
-                evaluator.take(session.eval_labels, batch[perms.after_block(block + 1)])
+            rows = [
+                batch[perms.after_block(block + 1)]
                 for batch, perms in zip(flight.indices, flight.permutations, strict=True)
             ]
+            works = [evaluator.take(session.eval_labels, r) for r in flight.packed(rows)]
             labels = yield from self._refreshing(node_id, session, lockstep(works))
         request = BlockRequest(
             message_type=TRAIN_BLOCK if flight.kind == "train" else EVALUATE_BLOCK,
@@ -349,6 +369,8 @@ class DoubleBlindServer:
             block=block,
             num_blocks=self.num_blocks,
             batches=outputs,
+            batch_sizes=[len(batch) for batch in flight.indices],
+            set_sizes=[len(members) for members in flight.sets],
             global_arrays=global_arrays if block == 1 else {},
             wrap=[view["wrap"] for view in views],
             steps=[view["steps"] for view in views],
@@ -378,7 +400,7 @@ class DoubleBlindServer:
             raise ProtocolError(f"expected a {expected} reply, got {reply.message_type}")
         count = len(flight.indices)
         if flight.block < self.num_blocks:
-            fresh = unpack_batches(reply, "batch", count, session.evaluator.load)
+            fresh = unpack_batches(reply, "batch", len(flight.sets), session.evaluator.load)
             for old, new in zip(flight.current, fresh, strict=True):
                 if old.shape != new.shape:
                     raise ProtocolError(

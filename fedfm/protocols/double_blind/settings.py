@@ -143,6 +143,7 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         lr_decay=bool(v["lr-decay"]),
         backend=str(v["backend"]),
         eval_fraction=float(v["eval-fraction"]),
+        evaluate_every=int(v["evaluate-every"]),
         reveal=str(v["reveal"]),
         secure_aggregation=bool(v["secure-aggregation"]),
         secagg_clipping_range=float(v["secagg-clipping-range"]),
