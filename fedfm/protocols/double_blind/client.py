@@ -574,8 +574,9 @@ class DoubleBlindClient:
             own_loss = float(
                 -(one_hot_labels * np.log(np.maximum(probs, 1e-12))).sum(axis=1).mean()
             )
-            server_loss = key.decrypt_received(loss)
-            if server_loss.shape != (1,) or abs(float(server_loss[0]) - own_loss) > LABEL_TOLERANCE:
+            # one value: (1,) under simulate, a (1, 1) row under CKKS
+            server_loss = key.decrypt_received(loss).reshape(-1)
+            if server_loss.size != 1 or abs(float(server_loss[0]) - own_loss) > LABEL_TOLERANCE:
                 # no value in the message: the server must not read what the client decrypted
                 raise ProtocolError(
                     f"train.loss {index}: the server's loss is not the cross-entropy of this "
