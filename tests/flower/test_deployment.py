@@ -37,10 +37,12 @@ MAX_SAMPLES = 360  # 120 pool samples per node: at least one train and one evalu
 
 pytestmark = pytest.mark.deployment
 
-# opt-in only: the slow markers of the other modules do not deselect anything by default
-only_if_slow_selected = pytest.mark.skipif(
-    "'slow' not in config.getoption('markexpr')",
-    reason="slow deployment test: select it with -m slow",
+# Opt-in only (hours on 2 cores: every masked refresh is a round trip that starts a ClientApp
+# process per node): run it by selecting its marker, `pytest -m opt_in`. CI's lanes
+# ("not slow and not deployment", "slow or deployment") name no opt_in, so they skip it.
+only_if_opted_in = pytest.mark.skipif(
+    "'opt_in' not in config.getoption('markexpr')",
+    reason="hours-long deployment test: select it with -m opt_in",
 )
 
 
@@ -298,7 +300,8 @@ def test_supernodes_without_the_right_certificate_or_key_are_refused(
 
 @pytest.mark.ckks
 @pytest.mark.slow
-@only_if_slow_selected
+@pytest.mark.opt_in
+@only_if_opted_in
 def test_three_supernodes_run_a_round_under_ckks(federation, student_dir, tmp_path) -> None:
     """The same round under real CKKS (N = 8192): over a hundred round trips of masked
     refreshes, each a ClientApp process per node, so no evaluation (too few held-out samples

@@ -225,10 +225,12 @@ def test_emulated_network_accounts_time_without_sleeping() -> None:
         return lambda e: Envelope(STEP, e.node_id, 0, {"r": np.zeros(size, np.uint8)})
 
     transport = EmulatedTransport({1: answer(500_000), 2: answer(10)})
-    started = time.perf_counter()
     requests = [Envelope(STEP, 1, 0, {"q": np.zeros(1_000_000, np.uint8)}), Envelope(STEP, 2, 0)]
-    transport.send_and_receive(requests)
-    assert time.perf_counter() - started < 0.08  # well under one simulated WAN round trip
+    slept: list[float] = []
+    with pytest.MonkeyPatch.context() as patch:  # simulated time, never slept
+        patch.setattr(time, "sleep", slept.append)
+        transport.send_and_receive(requests)
+    assert slept == []
     # the slower of the two nodes: 1.5 MB through its link
     assert transport.network_seconds["wan"] == pytest.approx(0.08 + 8 * 1.5e6 / 1e8)
     assert transport.network_seconds["lan"] == pytest.approx(0.8e-3 + 8 * 1.5e6 / 3e9)
