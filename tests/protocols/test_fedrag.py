@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedfm.data.stdlib_text import stdlib_root
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.models.decoder import DecoderSource, DecoderTraining, train_decoder
+from fedfm.models.decoder import DecoderSource, train_decoder
 from fedfm.protocols.fedrag import keys as keyring
 from fedfm.protocols.fedrag.attention import attention_with_lse, causal_mask, merge_attention
 from fedfm.protocols.fedrag.decoder import runner_for
@@ -33,28 +32,14 @@ from fedfm.protocols.fedrag.scrambler import (
     hadamard,
 )
 from fedfm.runtime import InProcessFederation, Protocol, RoleContext, Step
+from tests.helpers import micro_decoder_source
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-MICRO_TRAINING = DecoderTraining(
-    steps=12, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=6, checkpoint_every=6
-)
-
-
-def micro_source(cache: Path, *, seed: int = 0) -> DecoderSource:
-    from dataclasses import replace
-
-    return DecoderSource(
-        name="llama_fedfm_micro",
-        cache_dir=cache,
-        training=replace(MICRO_TRAINING, seed=seed),
-        text_root=stdlib_root() / "importlib",
-    )
 
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> DecoderSource:
-    source = micro_source(tmp_path_factory.mktemp("fedrag-decoder"))
+    source = micro_decoder_source(tmp_path_factory.mktemp("fedrag-decoder"))
     train_decoder(source, progress=False, log=lambda _: None)
     return source
 
@@ -306,10 +291,62 @@ def test_fewer_than_three_nodes_and_too_few_owners_are_refused() -> None:
         fedrag({"owner": 2})
 
 
+@pytest.mark.parametrize("plan", ["dedicated", "rotating"])
+def test_every_run_on_two_nodes_is_refused_before_anything_is_sent(
+    micro: DecoderSource, plan: str
+) -> None:
+    """Not only RolePlan.placement: however the roles are put on two nodes, a node refuses to
+    host them (two parties, or a compute role with a party it serves)."""
+    roles = RolePlan(2, plan).roles
+    for mask in range(1, 2 ** len(roles) - 1):
+        first = frozenset(role for bit, role in enumerate(roles) if mask >> bit & 1)
+        placement = [first, frozenset(roles) - first]
+        with pytest.raises(ConfigError, match="may not play both roles"):
+            run_generation(micro, segments(micro), plan=plan, placement=placement, tokens=1)
+
+
+def test_the_flower_apps_refuse_a_run_on_two_nodes(micro: DecoderSource, tmp_path: Path) -> None:
+    """The ServerApp's run (run_on_grid) with FedRAG's ClientApp on two nodes: the node asked
+    to host the coordinator and both owners refuses at hello, the run stops naming why."""
+    from flwr.app import Context, RecordDict
+
+    from fedfm.runtime import create_identity_file, format_pins
+    from fedfm.runtime.settings import identity_file
+    from fedfm_clients.fedrag import app as fedrag_client
+    from fedfm_strategies.aggregation import task_identity
+    from fedfm_strategies.runtime import run_on_grid
+    from tests.runtime.support import LoopbackGrid
+
+    partitions = {COORDINATOR: 0, "owner_0": 0, "owner_1": 0, "compute": 1}
+    keys = {k: create_identity_file(identity_file(tmp_path, k)) for k in (0, 1)}
+    pins = {role: keys[k] for role, k in partitions.items()}
+    own = {
+        "role-partitions": ",".join(f"{role}={k}" for role, k in partitions.items()),
+        "identity-dir": str(tmp_path),
+        "pins": format_pins(pins),
+    }
+    run_config = {"num-nodes": 2, "decoder": str(micro.path), "max-new-tokens": 1}
+    contexts = {
+        7000 + k: Context(
+            run_id=1,
+            node_id=7000 + k,
+            node_config={"partition-id": k, "num-partitions": 2, **own},
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        for k in range(2)
+    }
+    grid = LoopbackGrid(contexts, client_app=fedrag_client)
+    with task_identity(), pytest.raises(ProtocolError, match="may not play both roles") as refused:
+        run_on_grid(grid, fedrag, run_config, log=lambda _: None)
+    assert "hello failed" in str(refused.value)
+    assert "coordinator" in str(refused.value) and "owner_0" in str(refused.value)
+
+
 def test_mismatched_models_between_parties_are_refused(
     micro: DecoderSource, tmp_path: Path
 ) -> None:
-    other = micro_source(tmp_path, seed=1)
+    other = micro_decoder_source(tmp_path, seed=1)
     train_decoder(other, progress=False, log=lambda _: None)
     sources = {COORDINATOR: micro, "owner_0": micro, "owner_1": other, "compute": micro}
     with pytest.raises(ProtocolError, match="mismatched model configs"):
