@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfm.data.stdlib_text import Document
 from fedfm.errors import ConfigError
 from fedfm.experiments.fedrag_data import FedragData, build_data
 from fedfm.experiments.results import write_results
@@ -59,6 +60,25 @@ from fedfm.runtime import PRESETS, EmulatedTransport, InProcessFederation
 
 BENCH_PRESETS = ("lan", "rtt-10ms")
 QUERY_TOKENS = 16
+ANSWER_TOKENS = 8  # the forced answer's tokens (perplexity): room is kept for them
+SECRET_SHARING_QUERIES = 3  # the baseline's logit error is measured on the first few queries
+
+
+def query_budget(runner: DecoderRunner) -> int:
+    """Query tokens: :data:`QUERY_TOKENS`, or a quarter of a shorter model's context."""
+    return min(QUERY_TOKENS, runner.geometry.context // 4)
+
+
+def document_budget(runner: DecoderRunner, tokens: int) -> int:
+    """Tokens per owner's document so that both, the query and the generated (or forced
+    answer) tokens fit the model's context."""
+    room = runner.geometry.context - max(tokens, ANSWER_TOKENS) - query_budget(runner) - 1
+    if room < 2:
+        raise ConfigError(
+            f"{tokens} generated tokens leave no room for documents in the decoder's context of "
+            f"{runner.geometry.context} tokens"
+        )
+    return room // 2
 
 
 @dataclass(frozen=True)
@@ -90,8 +110,8 @@ def task_cases(
         def ids(text: str, limit: int) -> np.ndarray:
             return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"][:limit])
 
-        query = ids("\n" + question.query, QUERY_TOKENS)
-        answer_ids = ids(" " + question.answer, 8)
+        query = ids("\n" + question.query, query_budget(runner))
+        answer_ids = ids(" " + question.answer, ANSWER_TOKENS)
         cases.append(
             Case(
                 np.concatenate([[tokenizer.bos_token_id], ids("\n" + gold, document_tokens)]),
@@ -105,13 +125,13 @@ def task_cases(
 
 
 def synthetic_case(runner: DecoderRunner, context: int, seed: int) -> Case:
-    """Random token ids: ``context`` per owner and a query of :data:`QUERY_TOKENS`."""
+    """Random token ids: ``context`` per owner and a query of :func:`query_budget` tokens."""
     rng = np.random.default_rng(seed)
     vocab = runner.geometry.vocab
     return Case(
         np.concatenate([[0], rng.integers(3, vocab, context - 1)]),
         rng.integers(3, vocab, context),
-        rng.integers(3, vocab, QUERY_TOKENS),
+        rng.integers(3, vocab, query_budget(runner)),
     )
 
 
@@ -323,27 +343,19 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def run_fedrag_benchmark(
+def accuracy(
+    cases: Sequence[Case],
     *,
-    decoder: str = "llama_fedfm_tiny",
-    decoder_cache: Path = Path("runs/cache"),
-    queries: int = 20,
-    tokens: int = 32,
-    contexts: Sequence[int] = (24, 48),
-    bench_tokens: int = 16,
-    repeats: int = 3,
-    results_dir: Path = Path("results"),
+    source: Any,
+    runner: DecoderRunner,
+    tokens: int,
+    secret_sharing_queries: int = SECRET_SHARING_QUERIES,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Accuracy, bf16 and timing (module docstring); writes ``fedrag.json`` and ``.md``."""
-    torch.set_num_threads(1)
-    settings = settings_from_config({"decoder": decoder, "decoder-cache": str(decoder_cache)})
-    source = decoder_source(settings)
-    runner, _ = runner_for(source)
-    data = build_data(questions=max(queries, 1))
-    budget = (runner.geometry.context - tokens - QUERY_TOKENS - 1) // 2
-    cases = task_cases(runner, data, document_tokens=budget, count=queries)
-    log(f"[fedfm] bench-fedrag: {len(cases)} queries x {tokens} tokens, fp32")
+    """The issue's fp32 acceptance on ``cases``: greedy tokens of the protocol against plaintext
+    RAG, the largest ``|delta logit|`` over every generated position, the largest relative
+    change of the forced answer's perplexity, and the secret-sharing baseline's logit error on
+    the first ``secret_sharing_queries`` cases (the keys of ``results/fedrag.json``)."""
     identical, diffs, ppl_changes, ss_diffs = [], [], [], []
     for number, case in enumerate(cases):
         ours = run_case(case, source=source, tokens=tokens)
@@ -358,13 +370,47 @@ def run_fedrag_benchmark(
             ours_ppl = perplexity_of(forced["report"]["logits"], case.forced)
             plain_ppl = perplexity_of(plain_logits, case.forced)
             ppl_changes.append(abs(ours_ppl - plain_ppl) / plain_ppl)
-        if number < 3:
+        if number < secret_sharing_queries:
             ss = run_case(case, source=source, tokens=tokens, attention="secret-sharing")
             ss_diffs.append(float(np.abs(ss["report"]["logits"] - ref_logits).max()))
         log(
             f"[fedfm] bench-fedrag: query {number + 1}: identical={identical[-1]} "
             f"max|dlogit|={diffs[-1]:.2e}"
         )
+    return {
+        "queries": len(cases),
+        "tokens": tokens,
+        "greedy_tokens_identical": all(identical),
+        "greedy_tokens_identical_count": int(sum(identical)),
+        "max_abs_logit_diff": max(diffs),
+        "perplexity_change": max(ppl_changes) if ppl_changes else None,
+        "secret_sharing_max_abs_logit_diff": max(ss_diffs) if ss_diffs else None,
+    }
+
+
+def run_fedrag_benchmark(
+    *,
+    decoder: str = "llama_fedfm_tiny",
+    decoder_cache: Path = Path("runs/cache"),
+    queries: int = 20,
+    tokens: int = 32,
+    contexts: Sequence[int] = (24, 48),
+    bench_tokens: int = 16,
+    repeats: int = 3,
+    results_dir: Path = Path("results"),
+    documents: Sequence[Document] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Accuracy, bf16 and timing (module docstring); writes ``fedrag.json`` and ``.md``.
+    ``documents``: see :func:`fedfm.experiments.fedrag_data.build_data`."""
+    torch.set_num_threads(1)
+    settings = settings_from_config({"decoder": decoder, "decoder-cache": str(decoder_cache)})
+    source = decoder_source(settings)
+    runner, _ = runner_for(source)
+    data = build_data(questions=max(queries, 1), documents=documents)
+    cases = task_cases(runner, data, document_tokens=document_budget(runner, tokens), count=queries)
+    log(f"[fedfm] bench-fedrag: {len(cases)} queries x {tokens} tokens, fp32")
+    found = accuracy(cases, source=source, runner=runner, tokens=tokens, log=log)
     texts = [d.text for d in data.owners[0][:8]]
     bf16 = bf16_table(runner, texts, ranges=(1.0, 2.0, 4.0, 16.0))
     log(
@@ -396,7 +442,7 @@ def run_fedrag_benchmark(
                 rows.append(
                     {
                         "context": f"{context}+{context}",
-                        "query": QUERY_TOKENS,
+                        "query": query_budget(runner),
                         "output": bench_tokens,
                         "method": method,
                         "preset": preset,
@@ -416,13 +462,7 @@ def run_fedrag_benchmark(
             speedups.append(ttft["secret-sharing"] / ttft["ours"])
     extra = {
         "decoder": decoder,
-        "queries": len(cases),
-        "tokens": tokens,
-        "greedy_tokens_identical": all(identical),
-        "greedy_tokens_identical_count": int(sum(identical)),
-        "max_abs_logit_diff": max(diffs),
-        "perplexity_change": max(ppl_changes) if ppl_changes else None,
-        "secret_sharing_max_abs_logit_diff": max(ss_diffs) if ss_diffs else None,
+        **found,
         "ttft_speedup_vs_secret_sharing": min(speedups),
         "bf16": bf16,
         "repeats": repeats,
@@ -435,9 +475,10 @@ def run_fedrag_benchmark(
             f"Decoder {decoder}; timing on random token ids ({bench_tokens} generated tokens) "
             f"under the runtime's emulated presets {list(BENCH_PRESETS)}, medians of {repeats} "
             f"runs; accuracy on {len(cases)} docstring-completion queries x {tokens} tokens, fp32. "
-            f"greedy tokens identical: {all(identical)} ({sum(identical)}/{len(cases)}); max "
-            f"|delta logit| {max(diffs):.2e}; answer perplexity change "
-            f"{(max(ppl_changes) if ppl_changes else float('nan')):.2e}; TTFT speed-up vs secret "
+            f"greedy tokens identical: {found['greedy_tokens_identical']} "
+            f"({found['greedy_tokens_identical_count']}/{len(cases)}); max |delta logit| "
+            f"{found['max_abs_logit_diff']:.2e}; answer perplexity change "
+            f"{(found['perplexity_change'] or float('nan')):.2e}; TTFT speed-up vs secret "
             f"sharing (smallest) {min(speedups):.2f}x."
         ),
         rows=rows,
