@@ -8,6 +8,8 @@ trained for a few steps on ``importlib``'s docstrings in pytest's temporary fold
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -241,26 +243,106 @@ def test_generation_equals_plaintext_rag(micro: DecoderSource, plan: str) -> Non
     assert result.traffic.round_trips == 1 + 1 + 2 * layers * (1 + 6) + 1
 
 
+Delivered = list[tuple[str, str, str, dict[str, np.ndarray]]]
+
+
+def recording(protocol: Protocol) -> tuple[Protocol, Delivered]:
+    """``protocol`` with every step action wrapped to note what each role received (receiver,
+    step, sender, arrays), as opened on its node."""
+    seen: Delivered = []
+
+    def wrap(action: Callable[[RoleContext], None]) -> Callable[[RoleContext], None]:
+        def act(context: RoleContext) -> None:
+            for message in context.inbox:
+                arrays = {name: np.array(value) for name, value in message.arrays.items()}
+                seen.append((context.role, context.step, message.sender, arrays))
+            action(context)
+
+        return act
+
+    steps = tuple(replace(step, action=wrap(step.action)) for step in protocol.steps)
+    return replace(protocol, steps=steps), seen
+
+
+def recorded_run(
+    source: DecoderSource,
+    segs: dict[str, np.ndarray],
+    attention: str,
+    tokens: int = 2,
+) -> tuple[dict[str, np.ndarray], Delivered]:
+    key = os.urandom(32)
+    consent = {"allow_plaintext_attention": np.asarray(attention == "distributed")}
+    inputs = {
+        "owner_0": {"segment": segs["owner_0"], **consent},
+        "owner_1": {"segment": segs["owner_1"], **consent},
+        COORDINATOR: {"query": segs[COORDINATOR], "report_key": np.frombuffer(key, np.uint8)},
+    }
+    config = {"max-new-tokens": tokens, "attention": attention}
+    protocol, seen = recording(fedrag(config, decoders=source))
+    result = InProcessFederation(
+        protocol, inputs, placement=RolePlan(2, "dedicated").placement(4)
+    ).run()
+    return open_report(key, result.outputs[COORDINATOR]["report"]), seen
+
+
 def test_compute_node_sees_only_scrambled_tensors(micro: DecoderSource) -> None:
-    """The compute node's inbound keys/values/queries are not the plaintext ones, and differ
-    from what the same owner sends under attention='distributed' (the ablation)."""
+    """Every query, key and value the compute node receives (all layers, prefill and decoding)
+    is scrambled and row-permuted: no row is a row of the plaintext tensor the same party sends
+    under attention='distributed' (the ablation, where they travel in the clear)."""
     segs = segments(micro, seed=4)
-    seen: dict[str, list[np.ndarray]] = {}
-    for mode, owner_inputs in (
-        ("scrambled", {}),
-        ("distributed", {"allow_plaintext_attention": np.asarray(True)}),
-    ):
-        _, federation, _ = run_generation(
-            micro, segs, extra={"attention": mode}, tokens=2, owner_inputs=owner_inputs
-        )
-        node = federation.node_of("compute")
-        state = node.state.role_state["compute"]
-        seen[mode] = [state[name] for name in sorted(state) if name.endswith(".k")]
-    for scrambled, plain in zip(seen["scrambled"], seen["distributed"], strict=True):
+    inbound = {}
+    for mode in ("scrambled", "distributed"):
+        _, seen = recorded_run(micro, segs, mode)
+        inbound[mode] = {
+            (step, sender, name): value
+            for role, step, sender, arrays in seen
+            if role == "compute"
+            for name, value in arrays.items()
+            if name.startswith(("q.", "kv."))
+        }
+    assert inbound["scrambled"].keys() == inbound["distributed"].keys()
+    names = {name for _, _, name in inbound["scrambled"]}
+    assert any(n.startswith("q.") for n in names)
+    assert any(n.startswith("kv.") and n.endswith(".k") for n in names)
+    assert any(n.startswith("kv.") and n.endswith(".v") for n in names)
+    for where, scrambled in inbound["scrambled"].items():
+        plain = inbound["distributed"][where]
         assert scrambled.shape == plain.shape
-        # rows permuted and features mixed: no row of the scrambled keys is a plaintext row
+        # features mixed and rows permuted: no scrambled row is any plaintext row of its head
         distances = np.abs(scrambled[:, :, None, :] - plain[:, None, :, :]).max(-1)
-        assert distances.min() > 1e-3
+        assert distances.min() > 1e-3, where
+
+
+def test_the_coordinator_receives_attention_outputs_not_keys_or_values(
+    micro: DecoderSource,
+) -> None:
+    """The coordinator gets the owners' segment lengths and model fingerprints, and from the
+    compute node per owner the (scrambled, row-permuted) attention outputs and log-sum-exps of
+    its own tokens: arrays with one row per coordinator token, never one per owner token."""
+    segs = segments(micro, seed=5)
+    runner, _ = runner_for(micro)
+    g = runner.geometry
+    query, owner_tokens = len(segs[COORDINATOR]), {len(segs["owner_0"]), len(segs["owner_1"])}
+    report, seen = recorded_run(micro, segs, "scrambled", tokens=3)
+    received = [
+        (step, sender, arrays) for role, step, sender, arrays in seen if role == COORDINATOR
+    ]
+    assert {sender for _, sender, _ in received} == {"owner_0", "owner_1", "compute"}
+    outputs = 0
+    for _, sender, arrays in received:
+        if sender != "compute":
+            assert set(arrays) == {"length", "fp"}
+            continue
+        assert set(arrays) == {"out.owner_0", "lse.owner_0", "out.owner_1", "lse.owner_1"}
+        # answers in order: the query's prefill (every layer), then one token per layer
+        rows = query if outputs < g.layers else 1
+        assert rows not in owner_tokens
+        for owner in ("owner_0", "owner_1"):
+            assert arrays[f"out.{owner}"].shape == (g.heads, rows, g.head_dim)
+            assert arrays[f"lse.{owner}"].shape == (g.heads, rows)
+        outputs += 1
+    assert outputs == g.layers * 3  # one answer per layer per block (query prefill + 2 tokens)
+    assert report["tokens"].shape == (3,)
 
 
 def test_distributed_ablation_needs_the_owners_consent(micro: DecoderSource) -> None:
