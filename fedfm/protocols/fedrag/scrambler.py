@@ -36,6 +36,7 @@ pair and per direction. :class:`KeyLedger` refuses to derive a purpose twice.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -91,6 +92,13 @@ def uniform_from_words(words: np.ndarray) -> np.ndarray:
 
 def hadamard(dimension: int) -> np.ndarray:
     """The Sylvester Hadamard matrix of order ``dimension`` over ``sqrt(dimension)``."""
+    return _hadamard(dimension, np.dtype(np.float64).str).copy()
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard(dimension: int, dtype: str) -> np.ndarray:
+    """:func:`hadamard` in ``dtype``, built once per process (it is public and the same for
+    every key: every scrambling step used to rebuild it), read-only."""
     if dimension < 1 or dimension & (dimension - 1):
         raise ConfigError(
             f"the structured scrambler needs a power-of-two head dimension, got {dimension} "
@@ -99,7 +107,9 @@ def hadamard(dimension: int) -> np.ndarray:
     matrix = np.ones((1, 1))
     while matrix.shape[0] < dimension:
         matrix = np.block([[matrix, matrix], [matrix, -matrix]])
-    return matrix / math.sqrt(dimension)
+    matrix = (matrix / math.sqrt(dimension)).astype(dtype)
+    matrix.flags.writeable = False
+    return matrix
 
 
 def check_scaling_range(value: float) -> float:
@@ -138,7 +148,7 @@ class Scrambler:
     def _structured(self, x: np.ndarray, d1: np.ndarray, d2: np.ndarray) -> np.ndarray:
         y = x[..., self.first] * d1.astype(x.dtype)
         if self.kind == "structured":
-            y = y @ hadamard(self.dimension).astype(x.dtype)
+            y = y @ _hadamard(self.dimension, x.dtype.str)
         return (y * d2.astype(x.dtype))[..., self.second]
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -161,7 +171,7 @@ class Scrambler:
         y[..., self.second] = x
         y = y / self.scale2.astype(x.dtype)
         if self.kind == "structured":
-            y = y @ hadamard(self.dimension).astype(x.dtype)
+            y = y @ _hadamard(self.dimension, x.dtype.str)
         y = y / self.scale1.astype(x.dtype)
         out = np.empty_like(y)
         out[..., self.first] = y
