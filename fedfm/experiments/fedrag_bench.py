@@ -23,9 +23,9 @@ attention output with the structured and the dense scrambler, on the decoder's r
 keys and values.
 
 **Ablation** (Table 3 shape, ``results/fedrag_ablation.json``): baseline (centralized) /
-+distributed (online softmax, no scrambling) / +scrambler on the docstring completion task:
-accuracy (generated text contains the answer), ROUGE-L-free token F1 is not computed; answer
-perplexity.
++distributed (online softmax, no scrambling) / +scrambler, and a "no documents" control, on a
+docstring *continuation* task the embedded decoder can score on (:func:`continuation_cases`):
+next-token accuracy over the answer span, first-token accuracy, answer perplexity.
 """
 
 from __future__ import annotations
@@ -498,66 +498,129 @@ def run_fedrag_benchmark(
     return extra
 
 
+CONTINUATION_OPENING = 16  # tokens of the gold document the query repeats
+ABLATION_METHODS = ("no documents", "baseline", "+distributed", "+scrambler")
+
+
+def continuation_cases(
+    runner: DecoderRunner, data: FedragData, *, document_tokens: int, count: int
+) -> list[Case]:
+    """The ablation's extractive task: the query is the opening of a document (its first
+    :func:`query_budget` tokens, at most :data:`CONTINUATION_OPENING`), the answer its next
+    :data:`ANSWER_TOKENS` tokens, a span of the gold document at ``owner_0`` that the model can
+    copy when it fits the owner's budget; another owner's document is the distractor at
+    ``owner_1``. Documents are taken in order, alternating owners, skipping those too short for
+    an opening and an answer."""
+    tokenizer = runner.tokenizer
+    opening = min(CONTINUATION_OPENING, query_budget(runner))
+
+    def ids(text: str) -> np.ndarray:
+        return np.asarray(tokenizer("\n" + text, add_special_tokens=False)["input_ids"])
+
+    cases: list[Case] = []
+    owners = data.owners
+    for index in range(max(len(documents) for documents in owners)):
+        for owner, documents in enumerate(owners):
+            if len(cases) == count or index >= len(documents):
+                continue
+            gold = ids(documents[index].text)
+            if gold.size < opening + ANSWER_TOKENS:
+                continue
+            other = owners[(owner + 1) % len(owners)]
+            distractor = ids(other[(index + len(cases)) % len(other)].text)[:document_tokens]
+            answer = gold[opening : opening + ANSWER_TOKENS]
+            cases.append(
+                Case(
+                    np.concatenate([[tokenizer.bos_token_id], gold[:document_tokens]]),
+                    distractor,
+                    gold[:opening],
+                    tokenizer.decode(answer),
+                    answer,
+                )
+            )
+    if len(cases) < count:
+        raise ConfigError(f"only {len(cases)} documents are long enough, {count} asked")
+    return cases
+
+
+def forced_logits(case: Case, method: str, *, source: Any, runner: DecoderRunner) -> np.ndarray:
+    """The answer tokens' logits (teacher forcing) under one ablation ``method``."""
+    if case.forced is None:
+        raise ConfigError("an ablation case needs its answer tokens")
+    if method == "no documents":
+        segments = [np.asarray([runner.tokenizer.bos_token_id]), case.query]
+        return plaintext_generate(runner, segments, case.forced.size, forced=case.forced)[1]
+    if method == "baseline":
+        return plaintext_generate(runner, case.segments(), case.forced.size, forced=case.forced)[1]
+    attention = {"+distributed": "distributed", "+scrambler": "scrambled"}[method]
+    found = run_case(case, source=source, tokens=case.forced.size, attention=attention, forced=True)
+    return np.asarray(found["report"]["logits"])
+
+
 def run_fedrag_ablation(
     *,
     decoder: str = "llama_fedfm_tiny",
     decoder_cache: Path = Path("runs/cache"),
     queries: int = 40,
-    tokens: int = 8,
     results_dir: Path = Path("results"),
+    documents: Sequence[Document] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Table 3's rows on the docstring completion task (module docstring)."""
+    """Table 3's rows on the docstring continuation task (:func:`continuation_cases`).
+
+    Per method, over the queries: **next-token accuracy** (the share of answer positions where
+    the model's top token, given the true prefix, is the document's next token), **first-token
+    accuracy** (its greedy first token is the answer's first), and the answer tokens'
+    **perplexity** (geometric mean over queries). All from one teacher-forced run per query and
+    method (the first position is not forced, so it is also the greedy first token).
+    ``documents``: see :func:`fedfm.experiments.fedrag_data.build_data`."""
     torch.set_num_threads(1)
     settings = settings_from_config({"decoder": decoder, "decoder-cache": str(decoder_cache)})
     source = decoder_source(settings)
-    runner, tokenizer = runner_for(source)
-    data = build_data(questions=queries)
-    budget = (runner.geometry.context - max(tokens, 8) - QUERY_TOKENS - 1) // 2
-    cases = task_cases(runner, data, document_tokens=budget, count=queries)
+    runner, _ = runner_for(source)
+    data = build_data(questions=1, documents=documents)
+    cases = continuation_cases(
+        runner, data, document_tokens=document_budget(runner, ANSWER_TOKENS), count=queries
+    )
     rows = []
-    for method in ("baseline", "+distributed", "+scrambler"):
-        hits, ppls = [], []
+    for method in ABLATION_METHODS:
+        token_hits, first_hits, ppls = [], [], []
         for case in cases:
-            if method == "baseline":
-                generated, _ = plaintext_generate(runner, case.segments(), tokens)
-                _, logits = plaintext_generate(
-                    runner, case.segments(), case.forced.size, forced=case.forced
-                )  # type: ignore[union-attr]
-            else:
-                attention = "distributed" if method == "+distributed" else "scrambled"
-                generated = run_case(case, source=source, tokens=tokens, attention=attention)[
-                    "report"
-                ]["tokens"]
-                logits = run_case(
-                    case, source=source, tokens=case.forced.size, attention=attention, forced=True
-                )["report"]["logits"]  # type: ignore[union-attr]
-            text = tokenizer.decode(generated)
-            hits.append(case.answer.lower() in text.lower())
+            logits = forced_logits(case, method, source=source, runner=runner)
+            guesses = logits.argmax(axis=1)
+            token_hits.append(float(np.mean(guesses == case.forced)))
+            first_hits.append(bool(guesses[0] == case.forced[0]))  # type: ignore[index]
             ppls.append(perplexity_of(logits, case.forced))  # type: ignore[arg-type]
         rows.append(
             {
                 "method": method,
-                "accuracy_pct": 100.0 * float(np.mean(hits)),
+                "next_token_accuracy_pct": 100.0 * float(np.mean(token_hits)),
+                "first_token_accuracy_pct": 100.0 * float(np.mean(first_hits)),
                 "answer_ppl": float(np.exp(np.mean(np.log(ppls)))),
                 "queries": len(cases),
             }
         )
         log(f"[fedfm] fedrag-ablation: {rows[-1]}")
+    opening = cases[0].query.size
     write_results(
         results_dir,
         "fedrag_ablation",
-        title="FedRAG ablation (Table 3 shape): docstring completion",
+        title="FedRAG ablation (Table 3 shape): docstring continuation",
         description=(
-            f"Decoder {decoder}; {len(cases)} queries (the first sentence of a held-out docstring "
-            f"minus its last 3 words), the gold document at owner_0 and a distractor at owner_1; "
-            f"accuracy: the {tokens} generated tokens contain the next word; answer perplexity: "
-            "geometric mean over queries of the forced answer tokens' perplexity."
+            f"Decoder {decoder}; {len(cases)} queries, each the opening ({opening} tokens) of a "
+            "held-out docstring; the answer is the docstring's next "
+            f"{ANSWER_TOKENS} tokens, a span of the gold document the model sees at owner_0 "
+            "(another owner's document is a distractor at owner_1). Next-token accuracy: share of "
+            "answer positions whose top-1 prediction (true prefix, teacher forcing) is the "
+            "document's token; first-token accuracy: the greedy first token is the answer's; "
+            "PPL: geometric mean over queries of the answer tokens' perplexity. 'no documents': "
+            "the query alone, centralized (a control: what the documents add)."
         ),
         rows=rows,
         columns=[
             ("method", "method"),
-            ("accuracy_pct", "Acc (%)"),
+            ("next_token_accuracy_pct", "next-token Acc (%)"),
+            ("first_token_accuracy_pct", "first-token Acc (%)"),
             ("answer_ppl", "PPL"),
             ("queries", "queries"),
         ],

@@ -1,6 +1,6 @@
 """``fedfm bench-fedrag``'s harness on the micro decoder: the issue's fp32 acceptance (tokens,
 logits, perplexity) and App. A's bf16 ordering on real docstring cases, and the result file's
-keys; the secret-sharing baseline's parity and round trips.
+keys; the secret-sharing baseline's parity and round trips; ``fedfm fedrag-ablation``'s task.
 
 The micro decoder (``tests.helpers.micro_decoder_source``: 2 layers, context 32) is trained in
 pytest's temporary folder in seconds; the benchmark's own run uses the embedded tiny decoder.
@@ -18,9 +18,12 @@ import pytest
 
 from fedfm.data.stdlib_text import Document, stdlib_documents, stdlib_root
 from fedfm.experiments.fedrag_bench import (
+    ANSWER_TOKENS,
     Case,
+    continuation_cases,
     document_budget,
     run_case,
+    run_fedrag_ablation,
     run_fedrag_benchmark,
     task_cases,
 )
@@ -158,3 +161,42 @@ def test_secret_sharing_generation_equals_plaintext_within_fixed_point(
         ours = run_case(case, source=micro, tokens=tokens)
         assert ours["round_trips"] == 1 + 1 + 2 * layers * (1 + tokens) + 1
         assert found["traffic_bytes"] > ours["traffic_bytes"]
+
+
+# -- the ablation (Table 3 shape) ---------------------------------------------------------------
+
+
+def test_the_ablation_command_scores_the_continuation_task_and_its_rows_agree(
+    micro: DecoderSource, documents: list[Document], tmp_path: Path
+) -> None:
+    """``fedfm fedrag-ablation``'s runner on 3 queries: the answer is the gold document's next
+    tokens after the query's opening; the protocol's rows equal the centralized baseline."""
+    runner, _ = runner_for(micro)
+    data = build_data(questions=1, documents=documents)
+    cases = continuation_cases(runner, data, document_tokens=100, count=3)
+    for case in cases:
+        gold = case.owner_0[1:]
+        opening, answer = case.query.size, case.forced
+        assert answer is not None and answer.size == ANSWER_TOKENS
+        assert np.array_equal(gold[:opening], case.query)  # the query repeats the opening
+        assert np.array_equal(gold[opening : opening + answer.size], answer)  # the answer follows
+
+    rows = run_fedrag_ablation(
+        decoder=str(micro.path),
+        queries=3,
+        results_dir=tmp_path,
+        documents=documents,
+        log=lambda _: None,
+    )
+    by_method = {row["method"]: row for row in rows}
+    assert list(by_method) == ["no documents", "baseline", "+distributed", "+scrambler"]
+    written = json.loads((tmp_path / "fedrag_ablation.json").read_text())["rows"]
+    assert [row["method"] for row in written] == list(by_method)
+    baseline = by_method["baseline"]
+    assert 0.0 <= baseline["next_token_accuracy_pct"] <= 100.0
+    assert baseline["answer_ppl"] > 1.0
+    for method in ("+distributed", "+scrambler"):
+        row = by_method[method]
+        assert row["next_token_accuracy_pct"] == baseline["next_token_accuracy_pct"]
+        assert row["first_token_accuracy_pct"] == baseline["first_token_accuracy_pct"]
+        assert row["answer_ppl"] == pytest.approx(baseline["answer_ppl"], rel=1e-4)
