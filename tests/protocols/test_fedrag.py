@@ -169,6 +169,20 @@ def test_keys_depend_on_purpose_and_secret_and_a_ledger_refuses_reuse() -> None:
         restored.claim("fedrag/0/generate/a<-b/layer0")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_layers_key_set_gives_every_head_and_matrix_its_own_scrambler(kind: str) -> None:
+    """One generator and one keystream per layer's key set, cut into 2 x heads shares: no two
+    scramblers of the set (S and M of every head) coincide, and both parties get the same."""
+    shared = os.urandom(32)
+    keys = draw_attention_keys(LocalRandomness(shared), "layer", heads=4, head_dim=16, kind=kind)
+    again = draw_attention_keys(LocalRandomness(shared), "layer", heads=4, head_dim=16, kind=kind)
+    matrices = [key.matrix() for key in (*keys.qk, *keys.v)]
+    for i, first in enumerate(matrices):
+        assert np.array_equal(first, [k.matrix() for k in (*again.qk, *again.v)][i])
+        for second in matrices[i + 1 :]:
+            assert not np.allclose(first, second)
+
+
 def _key_protocol(twice: bool) -> Protocol:
     """alice scrambles q, bob scrambles k and v under keys from their runtime pair randomness;
     carol computes; alice unscrambles. ``twice``: bob derives the same key again."""
