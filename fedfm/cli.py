@@ -872,11 +872,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ablation = commands.add_parser(
         "fedrag-ablation",
-        help="FedRAG Table 3: baseline / +distributed / +scrambler on docstring completion",
+        help="FedRAG Table 3: baseline / +distributed / +scrambler on docstring continuation",
     )
     _fedrag_arguments(ablation)
     ablation.add_argument("--queries", type=int, default=40, help="queries (40)")
-    ablation.add_argument("--tokens", type=int, default=8, help="generated tokens (8)")
     ablation.set_defaults(handler=_fedrag_ablation)
 
     attacks = commands.add_parser(
@@ -929,7 +928,6 @@ def _fedrag_ablation(args: argparse.Namespace) -> None:
         decoder=args.decoder,
         decoder_cache=args.decoder_cache,
         queries=args.queries,
-        tokens=args.tokens,
         results_dir=args.results_dir,
     )
 

@@ -82,3 +82,23 @@ def processes_with(marker: str) -> list[str]:
             except OSError:
                 continue
     return found
+
+
+def micro_decoder_source(cache: Path, *, seed: int = 0):
+    """The ``llama_fedfm_micro`` decoder (2 layers, width 32, context 32) trained for a few steps
+    on ``importlib``'s docstrings into ``cache`` (seconds): FedRAG's tests. Train it with
+    :func:`fedfm.models.decoder.train_decoder`."""
+    from dataclasses import replace
+
+    from fedfm.data.stdlib_text import stdlib_root
+    from fedfm.models.decoder import DecoderSource, DecoderTraining
+
+    training = DecoderTraining(
+        steps=12, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=6, checkpoint_every=6
+    )
+    return DecoderSource(
+        name="llama_fedfm_micro",
+        cache_dir=cache,
+        training=replace(training, seed=seed),
+        text_root=stdlib_root() / "importlib",
+    )

@@ -44,6 +44,7 @@ from fedfm.protocols.fedrag.scrambler import (
 
 TESTS = "tests/experiments/test_fedrag_attacks.py"
 NEIGHBOURS = 10
+QUERY_LEAKAGE_QUERIES, QUERY_LEAKAGE_DOCUMENTS = 20, 120
 
 
 def _scramble_keys(x: np.ndarray, key: Scrambler, *, permute: bool = True) -> np.ndarray:
@@ -279,12 +280,7 @@ def red_team_suite() -> list[AttackResult]:
     knn_permutation = knn_overlap(keys, kind="permutation")
     d = keys.shape[1]
     below, at = known_plaintext_solve(keys, d // 2), known_plaintext_solve(keys, d + 4)
-    with tempfile.TemporaryDirectory(prefix="fedfm-fedrag-vma-") as folder:
-        runner = _micro_runner(Path(folder))
-        table = decoder_values(runner)
-        tokens = np.random.default_rng(0).integers(3, len(table), 200)
-        vma = vocabulary_matching(table, tokens, kind="structured")
-        vma_control = vocabulary_matching(table, tokens, kind="permutation")
+    vma, vma_control = vocabulary_matching_pair()
     leak = _query_leakage_pair()
     return [
         AttackResult(
@@ -350,14 +346,34 @@ def red_team_suite() -> list[AttackResult]:
     ]
 
 
+VMA_TOKENS = 200
+
+
+def vocabulary_matching_pair(
+    runner: Any | None = None, *, tokens: int = VMA_TOKENS
+) -> tuple[float, float]:
+    """(structured, permutation-only) VMA success on ``tokens`` random tokens' layer-0 values
+    of ``runner``'s decoder (default: the micro decoder, trained for seconds in a temporary
+    folder, as the red team does)."""
+    if runner is None:
+        with tempfile.TemporaryDirectory(prefix="fedfm-fedrag-vma-") as folder:
+            return vocabulary_matching_pair(_micro_runner(Path(folder)), tokens=tokens)
+    table = decoder_values(runner)
+    chosen = np.random.default_rng(0).integers(3, len(table), tokens)
+    return (
+        vocabulary_matching(table, chosen, kind="structured"),
+        vocabulary_matching(table, chosen, kind="permutation"),
+    )
+
+
 def _query_leakage_pair() -> tuple[float, float]:
     """(private, faithful) success of the owner's nearest-document attack on 20 queries."""
     from fedfm.experiments.fedrag_data import embed, question_of
     from fedfm.protocols.fedrag.retrieval import QueryKeys
 
-    texts = _texts(120)
+    texts = _texts(QUERY_LEAKAGE_DOCUMENTS)
     pairs = [(i, question_of(t)) for i, t in enumerate(texts)]
-    pairs = [(i, qa) for i, qa in pairs if qa is not None][:20]
+    pairs = [(i, qa) for i, qa in pairs if qa is not None][:QUERY_LEAKAGE_QUERIES]
     corpus = embed(texts)
     queries = embed([qa[0] for _, qa in pairs])
     sources = np.asarray([i for i, _ in pairs])
@@ -373,7 +389,8 @@ def run_fedrag_attacks(
     *, results_dir: Path = Path("results"), log: Callable[[str], None] = print
 ) -> list[dict[str, Any]]:
     """``fedfm fedrag-attacks``: kNN overlap against rows and scaling range, ICA, known
-    plaintext against rows, with the bf16 error of each scaling range."""
+    plaintext against rows, with the bf16 error of each scaling range; vocabulary matching and
+    query leakage with their controls (the figures of ``docs/fedrag.md``'s attack table)."""
     from fedfm.experiments.fedrag_bench import bf16_error
 
     rows: list[dict[str, Any]] = []
@@ -428,16 +445,42 @@ def run_fedrag_attacks(
                 "value": known_plaintext_solve(keys[:256], known),
             }
         )
+    structured, permutation_only = vocabulary_matching_pair()
+    for name, value in (("vma_structured", structured), ("vma_permutation_only", permutation_only)):
+        rows.append(
+            {
+                "attack": name,
+                "rows": VMA_TOKENS,
+                "scaling_range": DEFAULT_SCALING_RANGE,
+                "value": value,
+            }
+        )
+    log(
+        f"[fedfm] fedrag-attacks: VMA structured {structured:.3f}, "
+        f"permutation-only {permutation_only:.3f}"
+    )
+    private, faithful = _query_leakage_pair()
+    for name, value in (("query_leakage_private", private), ("query_leakage_faithful", faithful)):
+        rows.append({"attack": name, "rows": QUERY_LEAKAGE_QUERIES, "value": value})
+    log(f"[fedfm] fedrag-attacks: query leakage private {private:.3f}, faithful {faithful:.3f}")
     write_results(
         results_dir,
         "fedrag_attacks",
-        title="FedRAG attacks (spec 002 §6): the compute node against the scrambler",
+        title="FedRAG attacks (spec 002 §6): the compute node against the scrambler, an owner "
+        "against the query",
         description=(
             "Keys of the packaged MiniLM (the re-ranker; layer 2, head 0) on held-out docstrings. "
             "kNN@10 overlap of plaintext and scrambled rows (rows aligned: the attacker's best "
             "case), against the rows it sees and the scaling range r (with the bf16 relative "
             "error of attention at that r); FastICA (Hungarian mean |cos|) with its Laplace and "
-            "random controls; known-plaintext least squares error against matched rows (d = 32)."
+            "random controls; known-plaintext least squares error against matched rows (d = 32). "
+            f"Vocabulary matching (VMA, Pal et al. 2025) on the micro decoder's layer-0 values "
+            f"(one head, {VMA_TOKENS} random tokens; rows = tokens): the fraction of tokens "
+            "recovered under the structured scrambler and the permutation-only variant. Query "
+            f"leakage ({QUERY_LEAKAGE_QUERIES} queries against {QUERY_LEAKAGE_DOCUMENTS} held-out "
+            "documents; rows = queries): the rate at which a context owner finds the query's "
+            "source document as the nearest neighbour of what it receives, under CKKS retrieval "
+            "(private) and with the plaintext embedding (faithful, §5.1)."
         ),
         rows=rows,
         columns=[

@@ -63,7 +63,7 @@ def _source(decoder: str, cache: Path):
 
 def build_inputs(stage: str, decoder: str, cache: Path, query: int, tokens: int):
     """Each role's inputs, and the segments of the plaintext reference (stage generate)."""
-    from fedfm.experiments.fedrag_bench import QUERY_TOKENS, task_cases
+    from fedfm.experiments.fedrag_bench import document_budget, task_cases
     from fedfm.experiments.fedrag_data import build_data
     from fedfm.protocols.fedrag.decoder import runner_for
 
@@ -71,7 +71,7 @@ def build_inputs(stage: str, decoder: str, cache: Path, query: int, tokens: int)
     data = build_data(questions=query + 1)
     key = np.frombuffer(os.urandom(32), np.uint8)
     if stage == "generate":
-        budget = (runner.geometry.context - tokens - QUERY_TOKENS - 1) // 2
+        budget = document_budget(runner, tokens)
         case = task_cases(runner, data, document_tokens=budget, count=query + 1)[query]
         inputs = {
             "coordinator": {"query": case.query, "report_key": key},

@@ -8,15 +8,16 @@ trained for a few steps on ``importlib``'s docstrings in pytest's temporary fold
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from fedfm.data.stdlib_text import stdlib_root
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.models.decoder import DecoderSource, DecoderTraining, train_decoder
+from fedfm.models.decoder import DecoderSource, train_decoder
 from fedfm.protocols.fedrag import keys as keyring
 from fedfm.protocols.fedrag.attention import attention_with_lse, causal_mask, merge_attention
 from fedfm.protocols.fedrag.decoder import runner_for
@@ -33,28 +34,14 @@ from fedfm.protocols.fedrag.scrambler import (
     hadamard,
 )
 from fedfm.runtime import InProcessFederation, Protocol, RoleContext, Step
+from tests.helpers import micro_decoder_source
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-MICRO_TRAINING = DecoderTraining(
-    steps=12, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=6, checkpoint_every=6
-)
-
-
-def micro_source(cache: Path, *, seed: int = 0) -> DecoderSource:
-    from dataclasses import replace
-
-    return DecoderSource(
-        name="llama_fedfm_micro",
-        cache_dir=cache,
-        training=replace(MICRO_TRAINING, seed=seed),
-        text_root=stdlib_root() / "importlib",
-    )
 
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> DecoderSource:
-    source = micro_source(tmp_path_factory.mktemp("fedrag-decoder"))
+    source = micro_decoder_source(tmp_path_factory.mktemp("fedrag-decoder"))
     train_decoder(source, progress=False, log=lambda _: None)
     return source
 
@@ -182,6 +169,20 @@ def test_keys_depend_on_purpose_and_secret_and_a_ledger_refuses_reuse() -> None:
         restored.claim("fedrag/0/generate/a<-b/layer0")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_layers_key_set_gives_every_head_and_matrix_its_own_scrambler(kind: str) -> None:
+    """One generator and one keystream per layer's key set, cut into 2 x heads shares: no two
+    scramblers of the set (S and M of every head) coincide, and both parties get the same."""
+    shared = os.urandom(32)
+    keys = draw_attention_keys(LocalRandomness(shared), "layer", heads=4, head_dim=16, kind=kind)
+    again = draw_attention_keys(LocalRandomness(shared), "layer", heads=4, head_dim=16, kind=kind)
+    matrices = [key.matrix() for key in (*keys.qk, *keys.v)]
+    for i, first in enumerate(matrices):
+        assert np.array_equal(first, [k.matrix() for k in (*again.qk, *again.v)][i])
+        for second in matrices[i + 1 :]:
+            assert not np.allclose(first, second)
+
+
 def _key_protocol(twice: bool) -> Protocol:
     """alice scrambles q, bob scrambles k and v under keys from their runtime pair randomness;
     carol computes; alice unscrambles. ``twice``: bob derives the same key again."""
@@ -256,26 +257,106 @@ def test_generation_equals_plaintext_rag(micro: DecoderSource, plan: str) -> Non
     assert result.traffic.round_trips == 1 + 1 + 2 * layers * (1 + 6) + 1
 
 
+Delivered = list[tuple[str, str, str, dict[str, np.ndarray]]]
+
+
+def recording(protocol: Protocol) -> tuple[Protocol, Delivered]:
+    """``protocol`` with every step action wrapped to note what each role received (receiver,
+    step, sender, arrays), as opened on its node."""
+    seen: Delivered = []
+
+    def wrap(action: Callable[[RoleContext], None]) -> Callable[[RoleContext], None]:
+        def act(context: RoleContext) -> None:
+            for message in context.inbox:
+                arrays = {name: np.array(value) for name, value in message.arrays.items()}
+                seen.append((context.role, context.step, message.sender, arrays))
+            action(context)
+
+        return act
+
+    steps = tuple(replace(step, action=wrap(step.action)) for step in protocol.steps)
+    return replace(protocol, steps=steps), seen
+
+
+def recorded_run(
+    source: DecoderSource,
+    segs: dict[str, np.ndarray],
+    attention: str,
+    tokens: int = 2,
+) -> tuple[dict[str, np.ndarray], Delivered]:
+    key = os.urandom(32)
+    consent = {"allow_plaintext_attention": np.asarray(attention == "distributed")}
+    inputs = {
+        "owner_0": {"segment": segs["owner_0"], **consent},
+        "owner_1": {"segment": segs["owner_1"], **consent},
+        COORDINATOR: {"query": segs[COORDINATOR], "report_key": np.frombuffer(key, np.uint8)},
+    }
+    config = {"max-new-tokens": tokens, "attention": attention}
+    protocol, seen = recording(fedrag(config, decoders=source))
+    result = InProcessFederation(
+        protocol, inputs, placement=RolePlan(2, "dedicated").placement(4)
+    ).run()
+    return open_report(key, result.outputs[COORDINATOR]["report"]), seen
+
+
 def test_compute_node_sees_only_scrambled_tensors(micro: DecoderSource) -> None:
-    """The compute node's inbound keys/values/queries are not the plaintext ones, and differ
-    from what the same owner sends under attention='distributed' (the ablation)."""
+    """Every query, key and value the compute node receives (all layers, prefill and decoding)
+    is scrambled and row-permuted: no row is a row of the plaintext tensor the same party sends
+    under attention='distributed' (the ablation, where they travel in the clear)."""
     segs = segments(micro, seed=4)
-    seen: dict[str, list[np.ndarray]] = {}
-    for mode, owner_inputs in (
-        ("scrambled", {}),
-        ("distributed", {"allow_plaintext_attention": np.asarray(True)}),
-    ):
-        _, federation, _ = run_generation(
-            micro, segs, extra={"attention": mode}, tokens=2, owner_inputs=owner_inputs
-        )
-        node = federation.node_of("compute")
-        state = node.state.role_state["compute"]
-        seen[mode] = [state[name] for name in sorted(state) if name.endswith(".k")]
-    for scrambled, plain in zip(seen["scrambled"], seen["distributed"], strict=True):
+    inbound = {}
+    for mode in ("scrambled", "distributed"):
+        _, seen = recorded_run(micro, segs, mode)
+        inbound[mode] = {
+            (step, sender, name): value
+            for role, step, sender, arrays in seen
+            if role == "compute"
+            for name, value in arrays.items()
+            if name.startswith(("q.", "kv."))
+        }
+    assert inbound["scrambled"].keys() == inbound["distributed"].keys()
+    names = {name for _, _, name in inbound["scrambled"]}
+    assert any(n.startswith("q.") for n in names)
+    assert any(n.startswith("kv.") and n.endswith(".k") for n in names)
+    assert any(n.startswith("kv.") and n.endswith(".v") for n in names)
+    for where, scrambled in inbound["scrambled"].items():
+        plain = inbound["distributed"][where]
         assert scrambled.shape == plain.shape
-        # rows permuted and features mixed: no row of the scrambled keys is a plaintext row
+        # features mixed and rows permuted: no scrambled row is any plaintext row of its head
         distances = np.abs(scrambled[:, :, None, :] - plain[:, None, :, :]).max(-1)
-        assert distances.min() > 1e-3
+        assert distances.min() > 1e-3, where
+
+
+def test_the_coordinator_receives_attention_outputs_not_keys_or_values(
+    micro: DecoderSource,
+) -> None:
+    """The coordinator gets the owners' segment lengths and model fingerprints, and from the
+    compute node per owner the (scrambled, row-permuted) attention outputs and log-sum-exps of
+    its own tokens: arrays with one row per coordinator token, never one per owner token."""
+    segs = segments(micro, seed=5)
+    runner, _ = runner_for(micro)
+    g = runner.geometry
+    query, owner_tokens = len(segs[COORDINATOR]), {len(segs["owner_0"]), len(segs["owner_1"])}
+    report, seen = recorded_run(micro, segs, "scrambled", tokens=3)
+    received = [
+        (step, sender, arrays) for role, step, sender, arrays in seen if role == COORDINATOR
+    ]
+    assert {sender for _, sender, _ in received} == {"owner_0", "owner_1", "compute"}
+    outputs = 0
+    for _, sender, arrays in received:
+        if sender != "compute":
+            assert set(arrays) == {"length", "fp"}
+            continue
+        assert set(arrays) == {"out.owner_0", "lse.owner_0", "out.owner_1", "lse.owner_1"}
+        # answers in order: the query's prefill (every layer), then one token per layer
+        rows = query if outputs < g.layers else 1
+        assert rows not in owner_tokens
+        for owner in ("owner_0", "owner_1"):
+            assert arrays[f"out.{owner}"].shape == (g.heads, rows, g.head_dim)
+            assert arrays[f"lse.{owner}"].shape == (g.heads, rows)
+        outputs += 1
+    assert outputs == g.layers * 3  # one answer per layer per block (query prefill + 2 tokens)
+    assert report["tokens"].shape == (3,)
 
 
 def test_distributed_ablation_needs_the_owners_consent(micro: DecoderSource) -> None:
@@ -306,10 +387,62 @@ def test_fewer_than_three_nodes_and_too_few_owners_are_refused() -> None:
         fedrag({"owner": 2})
 
 
+@pytest.mark.parametrize("plan", ["dedicated", "rotating"])
+def test_every_run_on_two_nodes_is_refused_before_anything_is_sent(
+    micro: DecoderSource, plan: str
+) -> None:
+    """Not only RolePlan.placement: however the roles are put on two nodes, a node refuses to
+    host them (two parties, or a compute role with a party it serves)."""
+    roles = RolePlan(2, plan).roles
+    for mask in range(1, 2 ** len(roles) - 1):
+        first = frozenset(role for bit, role in enumerate(roles) if mask >> bit & 1)
+        placement = [first, frozenset(roles) - first]
+        with pytest.raises(ConfigError, match="may not play both roles"):
+            run_generation(micro, segments(micro), plan=plan, placement=placement, tokens=1)
+
+
+def test_the_flower_apps_refuse_a_run_on_two_nodes(micro: DecoderSource, tmp_path: Path) -> None:
+    """The ServerApp's run (run_on_grid) with FedRAG's ClientApp on two nodes: the node asked
+    to host the coordinator and both owners refuses at hello, the run stops naming why."""
+    from flwr.app import Context, RecordDict
+
+    from fedfm.runtime import create_identity_file, format_pins
+    from fedfm.runtime.settings import identity_file
+    from fedfm_clients.fedrag import app as fedrag_client
+    from fedfm_strategies.aggregation import task_identity
+    from fedfm_strategies.runtime import run_on_grid
+    from tests.runtime.support import LoopbackGrid
+
+    partitions = {COORDINATOR: 0, "owner_0": 0, "owner_1": 0, "compute": 1}
+    keys = {k: create_identity_file(identity_file(tmp_path, k)) for k in (0, 1)}
+    pins = {role: keys[k] for role, k in partitions.items()}
+    own = {
+        "role-partitions": ",".join(f"{role}={k}" for role, k in partitions.items()),
+        "identity-dir": str(tmp_path),
+        "pins": format_pins(pins),
+    }
+    run_config = {"num-nodes": 2, "decoder": str(micro.path), "max-new-tokens": 1}
+    contexts = {
+        7000 + k: Context(
+            run_id=1,
+            node_id=7000 + k,
+            node_config={"partition-id": k, "num-partitions": 2, **own},
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        for k in range(2)
+    }
+    grid = LoopbackGrid(contexts, client_app=fedrag_client)
+    with task_identity(), pytest.raises(ProtocolError, match="may not play both roles") as refused:
+        run_on_grid(grid, fedrag, run_config, log=lambda _: None)
+    assert "hello failed" in str(refused.value)
+    assert "coordinator" in str(refused.value) and "owner_0" in str(refused.value)
+
+
 def test_mismatched_models_between_parties_are_refused(
     micro: DecoderSource, tmp_path: Path
 ) -> None:
-    other = micro_source(tmp_path, seed=1)
+    other = micro_decoder_source(tmp_path, seed=1)
     train_decoder(other, progress=False, log=lambda _: None)
     sources = {COORDINATOR: micro, "owner_0": micro, "owner_1": other, "compute": micro}
     with pytest.raises(ProtocolError, match="mismatched model configs"):

@@ -172,10 +172,12 @@ def wire(message: Message) -> Message:
 
 class LoopbackGrid(Grid):
     """Delivers every message to its node's ClientApp in this process, in Flower's wire form,
-    and keeps the wire bytes of everything it carried (the relay's view)."""
+    and keeps the wire bytes of everything it carried (the relay's view). ``client_app``:
+    the masked-sum demo's unless given."""
 
-    def __init__(self, contexts: dict[int, Context], rewrite=None) -> None:
+    def __init__(self, contexts: dict[int, Context], rewrite=None, client_app=None) -> None:
         self.contexts, self.rewrite = contexts, rewrite or (lambda message: message)
+        self.client_app = client_app or masked_sum_client
         self.replies: dict[str, Message] = {}
         self.carried: list[bytes] = []
 
@@ -189,7 +191,7 @@ class LoopbackGrid(Grid):
             received = wire(self.rewrite(message))
             self.carried.append(message_to_proto(received).SerializeToString())
             try:
-                reply = masked_sum_client(received, self.contexts[received.metadata.dst_node_id])
+                reply = self.client_app(received, self.contexts[received.metadata.dst_node_id])
             except Exception as error:  # Flower's runtimes turn these into error replies
                 reply = Message(
                     Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(error)), reply_to=received

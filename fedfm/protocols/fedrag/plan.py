@@ -106,6 +106,15 @@ class RolePlan:
                 found.append((compute, role))
         return tuple(found)
 
+    def parties_apart(self) -> tuple[tuple[str, str], ...]:
+        """The coordinator and the owners are distinct institutions: no two on one node.
+
+        This is what makes "at least three nodes" hold wherever roles are placed (a Flower
+        deployment's node configs, not only :meth:`placement`): with the compute role(s) kept
+        apart from the parties they serve, two nodes cannot host a run."""
+        parties = self.inquirers
+        return tuple((parties[j], parties[i]) for j in range(len(parties)) for i in range(j))
+
     def channels(self) -> tuple[tuple[str, str], ...]:
         found = list(self.pairs)
         found += [(compute, role) for compute, role in self.separated()]

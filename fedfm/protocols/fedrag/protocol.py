@@ -265,7 +265,7 @@ def fedrag(
         name="fedrag",
         roles=plan.roles,
         channels=plan.channels(),
-        separated=plan.separated(),
+        separated=(*plan.separated(), *plan.parties_apart()),
         steps=tuple(steps),
         parameters=settings.parameters(),
     )
@@ -289,8 +289,15 @@ def _generation_settings(
 
 
 def check_placement(plan: RolePlan, placement: list[frozenset[str]]) -> None:
-    """:class:`ProtocolError` if a node hosts a compute role and a role it serves (§5.4)."""
+    """:class:`ProtocolError` if a node hosts a compute role and a role it serves (§5.4), or
+    two parties (the coordinator and the owners are distinct institutions)."""
     for index, roles in enumerate(placement):
+        parties = [role for role in plan.inquirers if role in roles]
+        if len(parties) > 1:
+            raise ProtocolError(
+                f"node {index + 1} would host the parties {parties}: the coordinator and each "
+                f"context owner need nodes of their own (FedRAG needs at least three nodes)"
+            )
         for compute, served in plan.separated():
             if compute in roles and served in roles:
                 raise ProtocolError(

@@ -36,6 +36,7 @@ pair and per direction. :class:`KeyLedger` refuses to derive a purpose twice.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -91,6 +92,13 @@ def uniform_from_words(words: np.ndarray) -> np.ndarray:
 
 def hadamard(dimension: int) -> np.ndarray:
     """The Sylvester Hadamard matrix of order ``dimension`` over ``sqrt(dimension)``."""
+    return _hadamard(dimension, np.dtype(np.float64).str).copy()
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard(dimension: int, dtype: str) -> np.ndarray:
+    """:func:`hadamard` in ``dtype``, built once per process (it is public and the same for
+    every key: every scrambling step used to rebuild it), read-only."""
     if dimension < 1 or dimension & (dimension - 1):
         raise ConfigError(
             f"the structured scrambler needs a power-of-two head dimension, got {dimension} "
@@ -99,7 +107,9 @@ def hadamard(dimension: int) -> np.ndarray:
     matrix = np.ones((1, 1))
     while matrix.shape[0] < dimension:
         matrix = np.block([[matrix, matrix], [matrix, -matrix]])
-    return matrix / math.sqrt(dimension)
+    matrix = (matrix / math.sqrt(dimension)).astype(dtype)
+    matrix.flags.writeable = False
+    return matrix
 
 
 def check_scaling_range(value: float) -> float:
@@ -138,7 +148,7 @@ class Scrambler:
     def _structured(self, x: np.ndarray, d1: np.ndarray, d2: np.ndarray) -> np.ndarray:
         y = x[..., self.first] * d1.astype(x.dtype)
         if self.kind == "structured":
-            y = y @ hadamard(self.dimension).astype(x.dtype)
+            y = y @ _hadamard(self.dimension, x.dtype.str)
         return (y * d2.astype(x.dtype))[..., self.second]
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -161,7 +171,7 @@ class Scrambler:
         y[..., self.second] = x
         y = y / self.scale2.astype(x.dtype)
         if self.kind == "structured":
-            y = y @ hadamard(self.dimension).astype(x.dtype)
+            y = y @ _hadamard(self.dimension, x.dtype.str)
         y = y / self.scale1.astype(x.dtype)
         out = np.empty_like(y)
         out[..., self.first] = y
@@ -184,25 +194,32 @@ class Scrambler:
         return float(np.linalg.cond(self.matrix()))
 
 
-def draw_scrambler(
-    randomness: PairRandomness,
-    purpose: str,
-    dimension: int,
-    *,
-    kind: str = DEFAULT_KIND,
-    scaling_range: float = DEFAULT_SCALING_RANGE,
-) -> Scrambler:
-    """The scrambler both parties derive for ``purpose`` (module docstring)."""
+def _words_needed(kind: str, dimension: int) -> int:
+    """Keystream words one scrambler of ``kind`` draws (dense entries or scalings and signs)."""
+    return {"dense": 2 * dimension * dimension, "structured": 4 * dimension}.get(kind, 0)
+
+
+def _checked(kind: str, dimension: int, scaling_range: float) -> float:
     if kind not in KINDS:
         raise ConfigError(f"scrambler kind must be one of {KINDS}, got {kind!r}")
-    scaling_range = check_scaling_range(scaling_range)
     if kind == "structured":
-        hadamard(dimension)  # refuses a dimension that is not a power of two
-    generator = randomness.generator(f"{purpose}/permutations")
+        _hadamard(dimension, "<f8")  # refuses a dimension that is not a power of two
+    return check_scaling_range(scaling_range)
+
+
+def _scrambler_from(
+    generator: np.random.Generator,
+    words: np.ndarray,
+    kind: str,
+    dimension: int,
+    scaling_range: float,
+) -> Scrambler:
+    """One scrambler from its share of the pair's randomness: two permutations from
+    ``generator``, the scalings and signs (or the dense entries) from ``words``."""
     first, second = generator.permutation(dimension), generator.permutation(dimension)
     if kind == "dense":
         # Box-Muller from keystream uniforms: a Gaussian matrix (App. A's "random dense matrix")
-        u = uniform_from_words(randomness.words(f"{purpose}/dense", 2 * dimension * dimension))
+        u = uniform_from_words(words)
         u1, u2 = np.maximum(u[0::2], 2.0**-53), u[1::2]
         gaussian = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
         matrix = gaussian.reshape(dimension, dimension) / math.sqrt(dimension)
@@ -213,13 +230,28 @@ def draw_scrambler(
     if kind == "permutation":
         ones = np.ones(dimension)
         return Scrambler(kind, dimension, first, np.arange(dimension), ones, ones)
-    words = randomness.words(f"{purpose}/scalings", 4 * dimension)
     uniforms = uniform_from_words(words[: 2 * dimension])
     signs = np.where(words[2 * dimension :] & np.uint64(1), -1.0, 1.0)
     log_range = math.log(scaling_range)
     magnitudes = np.exp((2.0 * uniforms - 1.0) * log_range)
     scales = signs * magnitudes
     return Scrambler(kind, dimension, first, second, scales[:dimension], scales[dimension:])
+
+
+def draw_scrambler(
+    randomness: PairRandomness,
+    purpose: str,
+    dimension: int,
+    *,
+    kind: str = DEFAULT_KIND,
+    scaling_range: float = DEFAULT_SCALING_RANGE,
+) -> Scrambler:
+    """The scrambler both parties derive for ``purpose`` (module docstring)."""
+    scaling_range = _checked(kind, dimension, scaling_range)
+    generator = randomness.generator(f"{purpose}/permutations")
+    count = _words_needed(kind, dimension)
+    words = randomness.words(f"{purpose}/{kind}", count) if count else np.zeros(0, np.uint64)
+    return _scrambler_from(generator, words, kind, dimension, scaling_range)
 
 
 @dataclass(frozen=True)
@@ -258,20 +290,28 @@ def draw_attention_keys(
     kind: str = DEFAULT_KIND,
     scaling_range: float = DEFAULT_SCALING_RANGE,
 ) -> AttentionKeys:
-    """Fresh ``S`` and ``M`` per head for ``purpose`` (one layer of one pair in one request)."""
+    """Fresh ``S`` and ``M`` per head for ``purpose`` (one layer of one pair in one request).
+
+    One generator and one keystream per purpose, cut into the ``2 * heads`` scramblers' shares
+    (each scrambler's randomness is its own stretch of them): two key derivations per layer
+    instead of two per scrambler."""
     if heads < 1:
         raise ConfigError(f"heads must be >= 1, got {heads}")
-    options = {"kind": kind, "scaling_range": scaling_range}
-    return AttentionKeys(
-        tuple(
-            draw_scrambler(randomness, f"{purpose}/h{h}/qk", head_dim, **options)  # type: ignore[arg-type]
-            for h in range(heads)
-        ),
-        tuple(
-            draw_scrambler(randomness, f"{purpose}/h{h}/v", head_dim, **options)  # type: ignore[arg-type]
-            for h in range(heads)
-        ),
+    scaling_range = _checked(kind, head_dim, scaling_range)
+    generator = randomness.generator(f"{purpose}/permutations")
+    per_key = _words_needed(kind, head_dim)
+    words = (
+        randomness.words(f"{purpose}/{kind}", 2 * heads * per_key)
+        if per_key
+        else np.zeros(0, np.uint64)
     )
+    keys = [
+        _scrambler_from(
+            generator, words[index * per_key : (index + 1) * per_key], kind, head_dim, scaling_range
+        )
+        for index in range(2 * heads)
+    ]
+    return AttentionKeys(tuple(keys[:heads]), tuple(keys[heads:]))
 
 
 def key_purpose(request: str, stage: str, inquirer: str, owner: str, layer: int) -> str:
