@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import Context, RecordDict
 from flwr.cli.run.run import _parse_federation_config_overrides
 from flwr.cli.typing import SuperLinkConnection
 from flwr.simulation.app import _run_simulation_settings
 from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
 
+from fedfm.errors import ConfigError
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
+from fedfm_clients.double_blind import client_role
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = sorted(path.parent for path in (ROOT / "simulations").glob("*/pyproject.toml"))
@@ -102,3 +105,24 @@ def test_the_apps_device_setting_is_in_the_run_config() -> None:
     assert DEFAULTS["device"] == "auto"
     assert app_settings({}).device == "auto"
     assert app_settings({"device": "cuda:1"}).device == "cuda:1"  # checked where it is used
+
+
+def _client(run_device: str | None, own_device: str | None):
+    run_config: dict[str, object] = {"num-clients": 2, "image-size": 8, "max-samples": 120}
+    if run_device is not None:
+        run_config["device"] = run_device
+    node: dict[str, object] = {"partition-id": 0, "num-partitions": 2}
+    if own_device is not None:
+        node["device"] = own_device
+    return client_role(Context(1, 1, node, RecordDict(), run_config))
+
+
+def test_a_client_app_takes_the_run_configs_device_unless_its_own_node_config_says() -> None:
+    assert _client(None, None).device == torch.device(
+        "cpu" if not torch.cuda.is_available() else "cuda:0"
+    )
+    assert _client("cpu", None).device == torch.device("cpu")
+    assert _client("cuda:7", "cpu").device == torch.device("cpu")  # the data owner's hardware
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device 'cuda' was requested"):
+            _client("cpu", "cuda")
