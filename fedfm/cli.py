@@ -456,8 +456,18 @@ def _bench_reveal(args: argparse.Namespace) -> None:
     )
 
 
+def _say_ckks_stays_on_the_cpu(args: argparse.Namespace, what: str) -> None:
+    from fedfm.models.device import cpu_only_note, resolve_device
+
+    note = cpu_only_note(resolve_device(args.device), what)
+    if note is not None:
+        print(note)
+
+
 def _bench_ckks(args: argparse.Namespace) -> None:
     from fedfm.experiments.bench_ckks import run_ckks_benchmark
+
+    _say_ckks_stays_on_the_cpu(args, "CKKS (the benchmarked blocks)")
 
     run_ckks_benchmark(
         _run_from_args(args, args.workdir),
@@ -527,6 +537,8 @@ def _helix_eval(args: argparse.Namespace) -> None:
 
 def _bench_helix(args: argparse.Namespace) -> None:
     from fedfm.experiments.helix_bench import run_helix_benchmark
+
+    _say_ckks_stays_on_the_cpu(args, "HELIX's CKKS inference")
 
     run_helix_benchmark(
         provider_spec=args.provider,

@@ -163,3 +163,16 @@ def test_ieee_float32_turns_tf32_off_inside_and_restores_the_settings_after() ->
         )
         raise RuntimeError("an evaluation that fails")
     assert (torch.backends.cuda.matmul.fp32_precision, cudnn.fp32_precision) == before
+
+
+def test_ckks_commands_say_so_when_a_gpu_is_asked_for(monkeypatch, capsys) -> None:
+    from argparse import Namespace
+
+    from fedfm.cli import _say_ckks_stays_on_the_cpu
+
+    _say_ckks_stays_on_the_cpu(Namespace(device="cpu"), "CKKS")
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _say_ckks_stays_on_the_cpu(Namespace(device="auto"), "CKKS (the benchmarked blocks)")
+    assert "CKKS (the benchmarked blocks) runs on the CPU" in capsys.readouterr().out
