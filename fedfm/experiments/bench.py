@@ -80,8 +80,11 @@ def run_latency_benchmark(
         description=(
             f"Model {run.model} at {image_size}px, forward pass over a batch of {len(images)} "
             f"{run.dataset} test images, median of {repeats} runs after a warm-up, plaintext torch "
-            f"on {device}"
-            + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else "")
+            + (
+                f"on CPU ({torch.get_num_threads()} threads)"
+                if device.type == "cpu"
+                else f"on {device}"
+            )
             + f". Approximations: {approx.settings()}. "
             "`exact` is the same explicit-attention code with exact non-linearities; `timm` uses "
             "timm's fused attention. The paper reports x1.5 for d = 6 on a GPU (Table 5)."

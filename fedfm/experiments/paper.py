@@ -551,8 +551,13 @@ def run_efficiency_table(
         description=(
             f"One client training step on a batch of {batch_size} pool images at "
             f"{tuple(images.shape[1:])} with the distilled student ({student.num_blocks} blocks, "
-            f"width {student.vit.embed_dim}), plaintext torch on {target} (CPU: "
-            f"{torch.get_num_threads()} thread(s)): latency is the median of {repeats} steps "
+            f"width {student.vit.embed_dim}), plaintext torch on "
+            + (
+                f"CPU with {torch.get_num_threads()} thread(s)"
+                if target.type == "cpu"
+                else f"{target} ({torch.cuda.get_device_name(target)})"
+            )
+            + f": latency is the median of {repeats} steps "
             "(forward and backward) divided by the batch; ours and linear probing run the "
             "student's blocks without gradients, as the server does under encryption, and train "
             "the adapter and head. Memory: the bytes autograd keeps for the step's backward "

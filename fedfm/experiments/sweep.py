@@ -250,8 +250,10 @@ def run_sweep(
         description=(
             f"Dataset {run.dataset} (D_aux {len(splits.aux)}, test {len(splits.test)}), model "
             f"{run.model} at {image_size}px, one stage-I epoch (batch {one_epoch.batch_size}, Adam "
-            f"{one_epoch.lr_stage1}) per row, plaintext torch on {device} (mixed precision: "
-            f"{precision.describe()}). Losses are per-element MSE "
+            f"{one_epoch.lr_stage1}) per row, plaintext torch on "
+            f"{'CPU' if device.type == 'cpu' else device}"
+            + (f" ({precision.describe()})" if precision.enabled else "")
+            + ". Losses are per-element MSE "
             f"on the test set; latency is a forward pass over {BENCH_BATCH} images; peak memory "
             "is the rise of the resident-set high-water mark over one forward + backward pass "
             "on them in a fresh process; activation memory is what autograd saves for that "
