@@ -27,6 +27,7 @@ from flwr.app import Context, RecordDict
 from fedfm.errors import ConfigError
 from fedfm.flower import codec
 from fedfm.flower.apps import make_client_app, node_config
+from fedfm.models.device import resolve_device
 from fedfm.models.student import StudentSource
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import (
@@ -88,6 +89,8 @@ def client_role(context: Context) -> DoubleBlindClient:
         policy=DataOwnerPolicy.from_node_config(own),
         partition_id=partition_id,
         authentication=data_owner_key_authentication(own),
+        # the data owner's own hardware: its node config's 'device', else the run config's
+        device=resolve_device(str(own.get("device", settings.device))),
     )
 
 

@@ -12,6 +12,9 @@
 ``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler (docstrings).
 ``fedfm fedrag-attacks``  FedRAG §6: the compute node's attacks on the scrambler, as curves.
 
+Every command that runs plaintext torch takes ``--device auto|cpu|cuda|cuda:N`` (default
+``auto``: a GPU when torch sees one); CKKS always runs on the CPU.
+
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
 
@@ -35,6 +38,23 @@ def _optional_int(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'exact', got {text!r}") from None
+
+
+# mirrors fedfm.models.device's DEVICE_HELP and PRECISION_HELP without importing torch to build
+# the parser (tests/test_cli.py checks they agree)
+DEVICE_HELP = (
+    "where plaintext torch runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or "
+    "cuda:N; CKKS always runs on the CPU"
+)
+PRECISION_HELP = (
+    "mixed precision for training on a GPU (teacher, distillation, full fine-tuning): off, bf16 "
+    "or fp16 autocast; always off on the CPU and in the protocol's own evaluation"
+)
+
+
+def _add_device_argument(parser: argparse._ActionsContainer) -> None:
+    """``--device``; checked (one line naming the device and what torch sees) when used."""
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, *, protocol: bool = False) -> None:
@@ -89,6 +109,11 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, protocol: bool = Fals
     train.add_argument("--lr-stage1", type=float, default=1e-4)
     train.add_argument("--lr-stage2", type=float, default=1e-5)
     train.add_argument("--temperature", type=float, default=5.0)
+    hardware = parser.add_argument_group("hardware")
+    _add_device_argument(hardware)
+    hardware.add_argument(
+        "--precision", choices=("off", "bf16", "fp16"), default="off", help=PRECISION_HELP
+    )
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -131,6 +156,8 @@ def _run_from_args(args: argparse.Namespace, workdir: Path):  # -> DistillRun
         ),
         workdir=workdir,
         cache_dir=args.cache_dir,
+        device=args.device,
+        precision=args.precision,
     )
 
 
@@ -318,8 +345,11 @@ def _adapt(args: argparse.Namespace) -> None:
     from fedfm.distillation.pipeline import load_data, obtain_student
     from fedfm.experiments.baselines import run_adaptation
     from fedfm.experiments.results import json_safe
+    from fedfm.models.device import device_report, reset_peak_memory, resolve_device
 
     config, federation, finetune = _protocol_from_args(args, args.method)
+    device = resolve_device(args.device)  # before any work: one line if there is no such GPU
+    reset_peak_memory(device)
     output = args.output or Path("runs/adapt") / f"{args.method}.json"
     if output.exists() and output.is_dir():
         raise IsADirectoryError(f"--output {output} is a folder, expected a file path")
@@ -335,6 +365,8 @@ def _adapt(args: argparse.Namespace) -> None:
         finetune=finetune,
         seed=args.seed,
         checkpoint_dir=args.checkpoint_dir,
+        device=device,
+        precision=args.precision,
     )
     for record in result.history:
         print(f"round {record.round:3d}  balanced accuracy {record.balanced_accuracy:.4f}")
@@ -350,6 +382,7 @@ def _adapt(args: argparse.Namespace) -> None:
         "trainable_parameters": result.trainable_parameters,
         "final_balanced_accuracy": result.final_balanced_accuracy,
         "history": [asdict(record) for record in result.history],
+        "hardware": device_report(device),
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False))
@@ -431,8 +464,18 @@ def _bench_reveal(args: argparse.Namespace) -> None:
     )
 
 
+def _say_ckks_stays_on_the_cpu(args: argparse.Namespace, what: str) -> None:
+    from fedfm.models.device import cpu_only_note, resolve_device
+
+    note = cpu_only_note(resolve_device(args.device), what)
+    if note is not None:
+        print(note)
+
+
 def _bench_ckks(args: argparse.Namespace) -> None:
     from fedfm.experiments.bench_ckks import run_ckks_benchmark
+
+    _say_ckks_stays_on_the_cpu(args, "CKKS (the benchmarked blocks)")
 
     run_ckks_benchmark(
         _run_from_args(args, args.workdir),
@@ -470,6 +513,7 @@ def _helix_data_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir", type=Path, default=Path("runs/helix-cache"), help="embedding cache"
     )
     parser.add_argument("--results-dir", type=Path, default=Path("results"))
+    _add_device_argument(parser)
 
 
 def _helix_data_options(args: argparse.Namespace) -> dict:
@@ -483,6 +527,7 @@ def _helix_data_options(args: argparse.Namespace) -> dict:
         "results_dir": args.results_dir,
         "cache_dir": args.cache_dir,
         "command": args.command_line,
+        "device": args.device,
     }
 
 
@@ -500,6 +545,8 @@ def _helix_eval(args: argparse.Namespace) -> None:
 
 def _bench_helix(args: argparse.Namespace) -> None:
     from fedfm.experiments.helix_bench import run_helix_benchmark
+
+    _say_ckks_stays_on_the_cpu(args, "HELIX's CKKS inference")
 
     run_helix_benchmark(
         provider_spec=args.provider,
@@ -526,7 +573,11 @@ def _paper(args: argparse.Namespace) -> None:
     if spec is None:
         student = obtain_student(run, progress=not args.no_progress)
         run_efficiency_table(
-            student, splits, results_dir=args.results_dir, command=args.command_line
+            student,
+            splits,
+            results_dir=args.results_dir,
+            command=args.command_line,
+            device=args.device,
         )
         return
     # a student per distillation source; those distilled on other data than D_aux live beside
@@ -548,6 +599,7 @@ def _paper(args: argparse.Namespace) -> None:
         workdir=args.cells_dir,
         results_dir=args.results_dir,
         command=args.command_line,
+        device=args.device,
     )
 
 
@@ -575,6 +627,7 @@ def _train_llm(args: argparse.Namespace) -> None:
         progress=not args.no_progress,
         results_dir=args.results_dir,
         command=args.command_line,
+        device=args.device,
     )
 
 
@@ -617,6 +670,7 @@ def _add_train_llm_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads while training (default 1: on a busy 2-core machine two threads "
         "contend; not part of the cache key)",
     )
+    _add_device_argument(parser)
     parser.add_argument(
         "--restart",
         action="store_true",
@@ -937,6 +991,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["fedfm", *(sys.argv[1:] if argv is None else argv)])
     try:
+        if getattr(args, "device", None) is not None:
+            from fedfm.models.device import resolve_device
+
+            resolve_device(args.device)  # before any work: one line if torch sees no such GPU
         args.handler(args)
     except (FedfmError, OSError) as error:  # OSError: unusable folders, full disk, ...
         print(f"fedfm: error: {error}", file=sys.stderr)

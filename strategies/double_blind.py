@@ -23,6 +23,7 @@ from fedfm.crypto.randomness import SecretStream
 from fedfm.flower.apps import log_info, make_server_app
 from fedfm.flower.transport import FlowerTransport, wait_for_nodes
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
+from fedfm.protocols.double_blind.runner import place_server_model
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.protocols.double_blind.settings import app_settings
 from fedfm_strategies.aggregation import StrategyAggregator, make_strategy
@@ -53,6 +54,7 @@ def run_adaptation(
     model = settings.student.load_student()  # refuses, naming `fedfm distill ...`, if absent
     log(f"[fedfm] server model: FHE-friendly student {settings.student.student_path}")
     backend = get_backend(settings.protocol.backend)
+    place_server_model(model, backend.name, settings.device, log=log)
     server = DoubleBlindServer(
         model,
         settings.protocol,

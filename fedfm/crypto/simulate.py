@@ -6,6 +6,11 @@ everything else of the real flow: a batch is bound to the key of the data owner 
 that decrypts, the model runs the same FHE-friendly polynomials, and every batch reports the
 bytes it would take as CKKS ciphertexts under :data:`~fedfm.crypto.params.CKKS_8192` with the
 packing of one ciphertext per feature (the other axes in the slots).
+
+The model runs on its own device (wherever the caller put it: a GPU with ``--device cuda``);
+values cross to and from numpy at each call, in IEEE float32 (no autocast, no TF32:
+:func:`~fedfm.models.device.ieee_float32`), so that the ``simulate`` and CKKS backends stay
+comparable value by value.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from fedfm.crypto.backend import (
 )
 from fedfm.crypto.params import CKKS_8192, CkksParameters
 from fedfm.errors import CryptoParameterError, ProtocolError
+from fedfm.models.device import ieee_float32
 from fedfm.models.fhe_vit import FheViT
 
 NAME = "simulate"
@@ -129,7 +135,7 @@ class SimulatedEvaluator(Evaluator):
 
     def _wrap(self, values: np.ndarray | torch.Tensor) -> SimulatedBatch:
         if isinstance(values, torch.Tensor):
-            values = values.detach().numpy()
+            values = values.detach().cpu().numpy()
         return SimulatedBatch(np.asarray(values, dtype=np.float32), self.key_id)
 
     def load(self, payload: dict[str, np.ndarray]) -> SimulatedBatch:
@@ -141,16 +147,23 @@ class SimulatedEvaluator(Evaluator):
             raise ProtocolError("take needs a 1-D array of distinct indices")
         return finished(self._wrap(self._check(batch).values[order]))
 
+    @staticmethod
+    def _on_model_device(model: FheViT, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(next(model.parameters()).device)
+
     @torch.no_grad()
     def embed(self, model: FheViT, images: EncryptedBatch) -> Work[SimulatedBatch]:
-        return finished(self._wrap(model.embed(torch.from_numpy(self._check(images).values))))
+        values = self._on_model_device(model, self._check(images).values)
+        with ieee_float32():
+            return finished(self._wrap(model.embed(values)))
 
     @torch.no_grad()
     def evaluate_block(
         self, model: FheViT, index: int, hidden: EncryptedBatch
     ) -> Work[SimulatedBatch]:
-        values = torch.from_numpy(self._check(hidden).values)
-        return finished(self._wrap(model.block(index, values)))
+        values = self._on_model_device(model, self._check(hidden).values)
+        with ieee_float32():
+            return finished(self._wrap(model.block(index, values)))
 
     def cross_entropy(
         self,

@@ -10,6 +10,10 @@ App. D.2; ``tau = 5``). Each stage takes half the epochs, with Adam at ``1e-4`` 
 MSE here is the mean over elements (the paper writes squared norms); the scale only changes the
 effective learning rate, so the reported losses are per element.
 
+Training runs on the device the caller chooses (:mod:`fedfm.models.device`; data stay on the CPU
+and move a batch at a time, so the shuffles do not depend on the device), optionally under mixed
+precision; the student is back on the CPU when :func:`distill` returns.
+
 Runs are resumable: after every epoch the student, optimizer, RNG and history are written to
 ``<workdir>/distill-state.pt``; a new run with the same settings continues from there.
 """
@@ -28,6 +32,7 @@ from tqdm.auto import tqdm
 from fedfm.approx.modules import calibrate, clamped_count, reset_clamped
 from fedfm.distillation.training import batches, check_batch_size
 from fedfm.errors import CheckpointError, ConfigError
+from fedfm.models.device import MixedPrecision
 from fedfm.models.fhe_vit import FheViT, Intermediates
 from fedfm.models.foundation import load_state_strict, read_checkpoint, save_checkpoint
 
@@ -121,8 +126,15 @@ def run_epoch(
     generator: torch.Generator,
     progress: bool = False,
     description: str = "",
+    precision: MixedPrecision | None = None,
 ) -> dict[str, float]:
-    """One epoch of stage 1 or 2; returns the mean of each loss term over the epoch."""
+    """One epoch of stage 1 or 2; returns the mean of each loss term over the epoch.
+
+    Batches go to the device of the student's parameters; ``precision`` (default off) wraps the
+    forward passes.
+    """
+    device = next(student.parameters()).device
+    precision = precision or MixedPrecision("off", device)
     student.train()
     teacher.eval()
     sums: dict[str, float] = {}
@@ -135,23 +147,24 @@ def run_epoch(
         disable=not progress,
         leave=False,
     ):
-        with torch.no_grad():
-            target = teacher.forward_intermediates(batch_images)
-        if stage == 1:
-            terms = layer_losses(student.forward_intermediates(batch_images), target)
-        else:
-            terms = {
-                "prediction": prediction_loss(
-                    student(batch_images),
-                    target.logits,
-                    batch_labels,
-                    temperature=config.temperature,
-                )
-            }
-        loss = sum(terms.values(), start=torch.zeros(()))
+        batch_images, batch_labels = batch_images.to(device), batch_labels.to(device)
+        with precision.autocast():
+            with torch.no_grad():
+                target = teacher.forward_intermediates(batch_images)
+            if stage == 1:
+                terms = layer_losses(student.forward_intermediates(batch_images), target)
+            else:
+                terms = {
+                    "prediction": prediction_loss(
+                        student(batch_images),
+                        target.logits,
+                        batch_labels,
+                        temperature=config.temperature,
+                    )
+                }
+            loss = sum(terms.values(), start=torch.zeros(()))
         optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        precision.step(loss, optimizer)
         for key, value in {**terms, "total": loss}.items():
             sums[key] = sums.get(key, 0.0) + value.item() * len(batch_labels)
         seen += len(batch_labels)
@@ -174,8 +187,13 @@ def distill(
     run_settings: dict[str, Any] | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    device: torch.device | None = None,
+    precision: MixedPrecision | None = None,
 ) -> list[dict[str, Any]]:
     """Distill ``teacher`` into ``student`` in place; return one history row per epoch.
+
+    Both models run on ``device`` (default: the CPU) and the student's training under
+    ``precision`` (default: off); the student is on the CPU when this returns.
 
     ``teacher`` should be the teacher converted with exact non-linearities (so that its attention
     matrices are exposed). The student is calibrated on the auxiliary images before stage I and
@@ -183,8 +201,14 @@ def distill(
     existing state with the same ``config`` and ``run_settings`` is resumed; a state made with
     other settings raises :class:`CheckpointError`.
     """
+    device = device if device is not None else torch.device("cpu")
+    precision = precision or MixedPrecision("off", device)
+    student.to(device)
+    teacher.to(device)
     generator = torch.Generator().manual_seed(config.seed)
     identity = {"config": asdict(config), "run": run_settings or {}}
+    if precision.enabled:  # mixed precision gives other weights: not a state to resume as fp32
+        identity["precision"] = precision.mode
     history: list[dict[str, Any]] = []
     start_epoch = 0
     optimizer: torch.optim.Optimizer | None = None
@@ -205,7 +229,7 @@ def distill(
         log(
             f"[fedfm] distill: resuming from {state_path} after epoch {start_epoch}/{config.epochs}"
         )
-    calibration = calibration_batches(images, config)
+    calibration = [batch.to(device) for batch in calibration_batches(images, config)]
     if start_epoch == 0:
         calibrate(student, calibration)
 
@@ -228,6 +252,7 @@ def distill(
             generator=generator,
             progress=progress,
             description=f"distill epoch {epoch + 1}/{config.epochs} (stage {stage})",
+            precision=precision,
         )
         row = {"epoch": epoch + 1, "stage": stage, **losses, "clamped": clamped_count(student)}
         history.append(row)
@@ -249,5 +274,6 @@ def distill(
         )
     # Final bounds reflect the final weights; the encrypted evaluator uses these.
     calibrate(student, calibration)
-    student.eval()
+    student.eval().cpu()
+    teacher.cpu()
     return history

@@ -25,6 +25,12 @@ from fedfm.data.photos import sample_photo_crops
 from fedfm.distillation.distill import DistillConfig, distill
 from fedfm.distillation.training import PretrainConfig, Scores, pretrain, score
 from fedfm.errors import ConfigError
+from fedfm.models.device import (
+    device_report,
+    mixed_precision,
+    reset_peak_memory,
+    resolve_device,
+)
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import (
     DEFAULT_MODEL,
@@ -56,6 +62,11 @@ class DistillRun:
     workdir: Path = Path("runs/distill")
     cache_dir: Path = Path("runs/cache")
     distill_data: str = "aux"  # one of DISTILL_DATA: what the student is distilled on
+    # where plaintext torch runs (fedfm.models.device: auto, cpu, cuda, cuda:N) and the opt-in
+    # mixed precision of training (off, bf16, fp16; only ever on a GPU). Neither is part of a
+    # cache key unless mixed precision is on (it trains other weights).
+    device: str = "auto"
+    precision: str = "off"
 
     @property
     def source(self) -> StudentSource:
@@ -90,8 +101,11 @@ def distillation_data(
         )
     images = sample_photo_crops(len(splits.aux), image_size=image_size, seed=run.seed)
     teacher.eval()
+    device = next(teacher.parameters()).device
     with torch.no_grad():
-        labels = torch.cat([teacher(chunk).argmax(1) for chunk in images.split(256)])
+        labels = torch.cat(
+            [teacher(chunk.to(device)).argmax(1).cpu() for chunk in images.split(256)]
+        )
     return images, labels
 
 
@@ -108,11 +122,25 @@ def teacher_for(
     progress: bool,
     log: Callable[[str], None],
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The cached teacher for this run's model, data and pretraining settings (built if absent)."""
+    """The cached teacher for this run's model, data and pretraining settings (built if absent;
+    pretrained on ``run.device``, returned on the CPU)."""
     spec = ModelSpec(run.model, splits.aux.num_classes, image_size)
+    device = resolve_device(run.device)
+    precision = mixed_precision(run.precision, device, log=log)
 
     def train(model: torch.nn.Module) -> dict[str, Any]:
-        return pretrain(model, splits.aux.images, splits.aux.labels, run.teacher, progress=progress)
+        return pretrain(
+            model,
+            splits.aux.images,
+            splits.aux.labels,
+            run.teacher,
+            progress=progress,
+            device=device,
+            precision=precision,
+        )
+
+    # mixed precision trains other weights: its own cache entry (fp32 keys stay as they were)
+    precision_key = {"precision": precision.mode} if precision.enabled else {}
 
     return obtain_teacher(
         spec,
@@ -125,6 +153,7 @@ def teacher_for(
             "seed": run.seed,
             "max_samples": run.max_samples,
             "pretrain": asdict(run.teacher),
+            **precision_key,
         },
         log=log,
     )
@@ -151,8 +180,8 @@ def obtain_student(
     return load_student(path)
 
 
-def _scores(model: Callable[[torch.Tensor], torch.Tensor], splits: DataSplits) -> Scores:
-    return score(model, splits.test.images, splits.test.labels)
+def _scores(model: torch.nn.Module, splits: DataSplits, device: torch.device) -> Scores:
+    return score(model.to(device), splits.test.images, splits.test.labels)
 
 
 def run_distillation(
@@ -165,6 +194,10 @@ def run_distillation(
     """Run the offline step and return the report (also written to ``<workdir>/report.json``)."""
     started = time.perf_counter()
     approx = run.approx.build()  # validates degrees before any data is loaded
+    device = resolve_device(run.device)  # and the device: `--device cuda` without a GPU stops here
+    precision = mixed_precision(run.precision, device, log=log)
+    reset_peak_memory(device)
+    log(f"[fedfm] plaintext torch on {device} (mixed precision: {precision.describe()})")
     workdir = Path(run.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     state_path = workdir / "distill-state.pt"
@@ -184,7 +217,7 @@ def run_distillation(
     student = to_fhe_friendly(teacher_vit, approx)
     log(f"[fedfm] student: {approx.settings()} (plaintext torch evaluation)")
 
-    images, labels = distillation_data(run, splits, teacher_vit, image_size)
+    images, labels = distillation_data(run, splits, teacher_vit.to(device), image_size)
     log(f"[fedfm] distilling on {run.distill_data}: {len(images)} images")
     history = distill(
         student,
@@ -202,14 +235,16 @@ def run_distillation(
         },
         progress=progress,
         log=log,
+        device=device,
+        precision=precision,
     )
     save_student(workdir / "student.pt", student, spec, run.approx)
 
-    teacher_scores = _scores(teacher_vit, splits)
+    teacher_scores = _scores(teacher_vit, splits, device)
     reset_clamped(student)
-    student_scores = _scores(student, splits)
+    student_scores = _scores(student, splits, device)
     test_clamped = clamped_count(student)
-    exact_scores = _scores(student.with_approx(ApproxConfig.exact()), splits)
+    exact_scores = _scores(student.with_approx(ApproxConfig.exact()), splits, device)
     report: dict[str, Any] = {
         "command": "fedfm distill",
         "backend": "plaintext (torch, no encryption)",
@@ -237,6 +272,8 @@ def run_distillation(
         "elapsed_seconds": time.perf_counter() - started,
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "precision": precision.describe(),
+        **device_report(device),
     }
     (workdir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
     log(

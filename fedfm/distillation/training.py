@@ -14,6 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedfm.errors import ConfigError
+from fedfm.models.device import MixedPrecision
 
 
 def check_batch_size(batch_size: int) -> None:
@@ -67,13 +68,20 @@ class Scores:
 
 @torch.no_grad()
 def predict(
-    model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, *, batch_size: int = 128
+    model: Callable[[torch.Tensor], torch.Tensor],
+    images: torch.Tensor,
+    *,
+    batch_size: int = 128,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Predicted class of each image."""
+    """Predicted class of each image (on the CPU); batches go to ``device`` (default: where the
+    model's parameters are, or the CPU)."""
     if isinstance(model, nn.Module):
         model.eval()
+        if device is None:
+            device = next(model.parameters(), torch.zeros(())).device
     outputs = [
-        model(images[start : start + batch_size]).argmax(dim=-1)
+        model(images[start : start + batch_size].to(device)).argmax(dim=-1).cpu()
         for start in range(0, len(images), batch_size)
     ]
     return torch.cat(outputs)
@@ -86,7 +94,8 @@ def score(
     *,
     batch_size: int = 128,
 ) -> Scores:
-    """Accuracy and balanced accuracy of ``model`` on ``(images, labels)``."""
+    """Accuracy and balanced accuracy of ``model`` on ``(images, labels)`` (on the model's
+    device)."""
     predicted = predict(model, images, batch_size=batch_size).numpy()
     truth = labels.numpy()
     return Scores(
@@ -119,8 +128,18 @@ def pretrain(
     config: PretrainConfig,
     *,
     progress: bool = True,
+    device: torch.device | None = None,
+    precision: MixedPrecision | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` in place with AdamW and a cosine schedule; return the loss per epoch."""
+    """Train ``model`` in place with AdamW and a cosine schedule; return the loss per epoch.
+
+    The model trains on ``device`` (default: the CPU) under ``precision`` (default: off) and is
+    back on the CPU afterwards; data stay on the CPU (shuffling and shifts there, so the draws
+    do not depend on the device) and move one batch at a time.
+    """
+    device = device if device is not None else torch.device("cpu")
+    precision = precision or MixedPrecision("off", device)
+    model.to(device)
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -140,14 +159,15 @@ def pretrain(
             batch_images = random_shift(
                 batch_images, pixels=config.shift_pixels, generator=generator
             )
-            loss = F.cross_entropy(model(batch_images), batch_labels)
+            batch_images, batch_labels = batch_images.to(device), batch_labels.to(device)
+            with precision.autocast():
+                loss = F.cross_entropy(model(batch_images), batch_labels)
             optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            precision.step(loss, optimizer)
             schedule.step()
             total += loss.item() * len(batch_labels)
             seen += len(batch_labels)
         history.append(total / seen)
         bar.set_postfix(loss=f"{history[-1]:.3f}")
-    model.eval()
+    model.eval().cpu()
     return {"pretrain_loss": history}

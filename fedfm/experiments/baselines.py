@@ -29,6 +29,10 @@ adapter's head starts fresh too). The learning rate follows the paper's ratio (A
 0.001 for linear probing and ours, ``5e-5`` for full fine-tuning, 20 times smaller): fedfm's
 protocol default is 0.05 (the paper's 0.001 scaled up for 20 rounds of a single step), hence
 :data:`DEFAULT_FINETUNE_LR` = 0.0025.
+
+Every method runs its plaintext torch on one device (``device``: ``auto``, ``cpu``, ``cuda``,
+``cuda:N``, see :mod:`fedfm.models.device`); full fine-tuning may add bf16 autocast on a GPU
+(``precision="bf16"``, opt-in). The protocol's methods never use mixed precision.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch.nn.functional as F
 from fedfm.crypto.randomness import ResearchStream
 from fedfm.data import DataSplits
 from fedfm.errors import ConfigError
+from fedfm.models.device import MixedPrecision, mixed_precision, resolve_device, to_numpy
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.client import ClientData
@@ -105,6 +110,7 @@ def run_linear_probe(
     seed: int = 0,
     checkpoint_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    device: str | torch.device | None = "auto",
 ) -> tuple[list[RoundRecord], InProcessTransport]:
     """Linear probing in the protocol's harness: ``config`` with ``rank=0``."""
     return run_in_process(
@@ -116,6 +122,7 @@ def run_linear_probe(
         log=log,
         policy=RESEARCHER_POLICY,
         randomness=ResearchStream(seed),
+        device=device,
     )
 
 
@@ -146,14 +153,22 @@ def _average(states: list[dict[str, torch.Tensor]], weights: list[int]) -> dict[
     return averaged
 
 
-def _confusion(model: FheViT, data: ClientData, num_classes: int) -> np.ndarray:
+def _confusion(
+    model: FheViT, data: ClientData, num_classes: int, precision: MixedPrecision
+) -> np.ndarray:
     confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
     model.eval()
-    with torch.no_grad():
+    device = precision.device
+    with torch.no_grad(), precision.autocast():
         images = torch.from_numpy(data.eval_images)
-        predicted = torch.cat(
-            [model(images[i : i + 128]).argmax(dim=1) for i in range(0, len(images), 128)]
-        ).numpy()
+        predicted = to_numpy(
+            torch.cat(
+                [
+                    model(images[i : i + 128].to(device)).argmax(dim=1)
+                    for i in range(0, len(images), 128)
+                ]
+            )
+        )
     np.add.at(confusion, (data.eval_labels, predicted), 1)
     return confusion
 
@@ -168,25 +183,34 @@ def run_full_finetune(
     seed: int = 0,
     checkpoint_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    device: str | torch.device | None = "auto",
+    precision: str = "off",
 ) -> tuple[list[RoundRecord], FheViT]:
     """Vanilla FedAvg full fine-tuning of a copy of ``student`` (plaintext, a baseline).
 
-    Returns the history and the final global model (``student`` itself is not modified).
+    Returns the history and the final global model on the CPU (``student`` itself is not
+    modified). The copy trains on ``device``; ``precision="bf16"`` adds bf16 autocast there (a
+    GPU only; fp16 would need a loss scaler this manual SGD does not have, so it is refused).
 
     Uses ``config``'s rounds, batch size, batches per round and held-out fraction, and ``seed``
     for the batch draws and the head; the adapter settings and the learning rate of ``config``
     do not apply (see ``finetune``).
     """
     finetune = finetune or FineTuneConfig()
+    if precision == "fp16":
+        raise ConfigError("full fine-tuning takes precision off or bf16, not fp16 (no loss scaler)")
+    target = resolve_device(device)
+    amp = mixed_precision(precision, target, log=log)
     num_classes = splits.pool.num_classes
     datasets = federation_data(splits, federation, config)
-    model = finetune_model(student, num_classes, seed=seed)
+    model = finetune_model(student, num_classes, seed=seed).to(target)
     identity = {
         "method": "full-finetune",
         "seed": seed,
         "config": config.to_config(),
         "federation": asdict(federation),
         "finetune": asdict(finetune),
+        **({"precision": amp.mode} if amp.enabled else {}),
     }
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     history: list[RoundRecord] = []
@@ -194,7 +218,9 @@ def run_full_finetune(
     rng = np.random.default_rng(seed)
     saved = load_state(checkpoint_dir, identity) if checkpoint_dir is not None else None
     if saved is not None:
-        global_state = {k: torch.from_numpy(v) for k, v in saved.global_arrays.items()}
+        global_state = {
+            k: torch.from_numpy(v).to(target) for k, v in saved.global_arrays.items()
+        }
         history, start_round = saved.history, saved.round + 1
         rng.bit_generator.state = saved.rng_state
         log(f"[fedfm] resuming after round {saved.round} from {checkpoint_dir}")
@@ -202,7 +228,8 @@ def run_full_finetune(
     n = config.batch_size
     log(
         f"[fedfm] full fine-tuning (plaintext FedAvg baseline): {len(datasets)} clients, "
-        f"{config.rounds} rounds, batch {n} x {config.batches_per_round}, lr {finetune.lr}"
+        f"{config.rounds} rounds, batch {n} x {config.batches_per_round}, lr {finetune.lr}, "
+        f"on {target} (mixed precision: {amp.describe()})"
     )
     for server_round in range(start_round, config.rounds + 1):
         started = time.perf_counter()
@@ -221,9 +248,10 @@ def run_full_finetune(
             step_size = finetune.lr * config.lr_factor(server_round)
             step_losses = []
             for step in steps:
-                images = torch.from_numpy(data.train_images[step])
-                labels = torch.from_numpy(data.train_labels[step]).long()
-                loss = F.cross_entropy(model(images), labels)
+                images = torch.from_numpy(data.train_images[step]).to(target)
+                labels = torch.from_numpy(data.train_labels[step]).long().to(target)
+                with amp.autocast():
+                    loss = F.cross_entropy(model(images), labels)
                 model.zero_grad()
                 loss.backward()
                 with torch.no_grad():
@@ -242,7 +270,7 @@ def run_full_finetune(
         evaluated = 0
         for data in datasets:
             if len(data.eval_labels) >= n:
-                confusion += _confusion(model, data, num_classes)
+                confusion += _confusion(model, data, num_classes, amp)
                 evaluated += 1
         record = RoundRecord(
             round=server_round,
@@ -257,7 +285,7 @@ def run_full_finetune(
         )
         history.append(record)
         if checkpoint_dir is not None:
-            arrays = {k: v.numpy() for k, v in global_state.items()}
+            arrays = {k: to_numpy(v) for k, v in global_state.items()}
             state = RunState(server_round, arrays, history, rng.bit_generator.state)
             save_state(checkpoint_dir, state, identity)
         log(
@@ -266,7 +294,7 @@ def run_full_finetune(
             f"{record.balanced_accuracy:.4f} ({record.seconds:.1f} s)"
         )
     model.load_state_dict(global_state)
-    return history, model.eval()
+    return history, model.eval().cpu()
 
 
 @dataclass
@@ -309,9 +337,13 @@ def run_adaptation(
     seed: int = 0,
     checkpoint_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    device: str | torch.device | None = "auto",
+    precision: str = "off",
 ) -> AdaptationResult:
     """Run ``method`` (one of :data:`METHODS`) over the federation; ``linear-probe`` forces
-    ``rank=0``, ``full-finetune`` ignores the adapter settings and ``config.lr``."""
+    ``rank=0``, ``full-finetune`` ignores the adapter settings and ``config.lr``. Plaintext torch
+    runs on ``device``; ``precision`` (bf16 autocast on a GPU) applies to full fine-tuning
+    only."""
     check_method(method)
     classes = splits.pool.num_classes
     if method == "full-finetune":
@@ -324,6 +356,8 @@ def run_adaptation(
             seed=seed,
             checkpoint_dir=checkpoint_dir,
             log=log,
+            device=device,
+            precision=precision,
         )
         params = trainable_parameters(finetune_model(student, classes, seed=seed))
         return AdaptationResult(method, history, None, params)
@@ -338,6 +372,7 @@ def run_adaptation(
         log=log,
         policy=RESEARCHER_POLICY,
         randomness=ResearchStream(seed),
+        device=device,
     )
     params = protocol_trainable_parameters(student, classes, config)
     return AdaptationResult(method, history, transport, params)

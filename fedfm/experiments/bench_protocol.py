@@ -41,6 +41,7 @@ from fedfm.experiments.baselines import (
 )
 from fedfm.experiments.observed import BlockTraffic, DrawnBatches, ObservedRun, run_observed
 from fedfm.experiments.results import write_results
+from fedfm.models.device import reset_peak_memory, resolve_device
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.client import ClientData
 from fedfm.protocols.double_blind.config import (
@@ -150,6 +151,8 @@ def _protocol_benchmark(
     log: Callable[[str], None],
     command: str | None,
 ) -> list[dict[str, Any]]:
+    device = resolve_device(run.device)
+    reset_peak_memory(device)
     student = obtain_student(run, progress=progress, log=log)
     splits, image_size = load_data(run)
     classes = splits.pool.num_classes
@@ -171,6 +174,7 @@ def _protocol_benchmark(
                 observers=[meter],
                 seed=federation.seed,
                 log=clock,
+                device=device,
             )
             wall[method] += [record.seconds for record in observed.history]
             cpu[method] += clock.round_seconds()
@@ -203,7 +207,15 @@ def _protocol_benchmark(
         )
     seed = federation.seed
     history, _ = run_full_finetune(
-        student, splits, config, federation, finetune=finetune, seed=seed, log=log
+        student,
+        splits,
+        config,
+        federation,
+        finetune=finetune,
+        seed=seed,
+        log=log,
+        device=device,
+        precision=run.precision,
     )
     histories["full-finetune"] = [asdict(record) for record in history]
     rows.append(
@@ -242,7 +254,8 @@ def _protocol_benchmark(
         "outputs the server sends (down) or the client returns re-encrypted (up) in training "
         "messages / (samples x blocks). Wall time: median over rounds of one FL round (train + "
         f"evaluate, all clients, one process, {torch.get_num_threads()} torch thread(s) on a "
-        f"2-core CPU shared with other jobs; {repeats} runs per method in ABBA order) - ours / "
+        + ("2-core CPU shared with other jobs" if device.type == "cpu" else f"CPU and {device}")
+        + f"; {repeats} runs per method in ABBA order) - ours / "
         "linear probing "
         f"= x{ours['seconds_ratio_vs_linear_probe']:.3f} in wall time and "
         f"x{ours['cpu_ratio_vs_linear_probe']:.3f} in CPU time of this process (paper Table 4: "
@@ -287,6 +300,7 @@ def _protocol_benchmark(
             "message_types": {TRAIN_BLOCK: "training", EVALUATE_BLOCK: "evaluation"},
         },
         command=command,
+        device=device,
     )
     return rows
 

@@ -17,6 +17,7 @@ from fedfm.errors import ConfigError
 from fedfm.experiments.results import write_results
 from fedfm.models.decoder.artefact import DecoderSource
 from fedfm.models.decoder.training import train_decoder
+from fedfm.models.device import resolve_device
 
 COLUMNS = (
     ("model", "model"),
@@ -41,18 +42,23 @@ def run_train_llm(
     results_dir: Path | None = Path("results"),
     command: str | None = None,
     log: Callable[[str], None] = print,
+    device: str | torch.device | None = "auto",
 ) -> dict[str, Any]:
     """Train or load ``source``'s decoder, print where it is and its held-out perplexity, and
     (``results_dir`` set) write the results files. ``threads`` fixes torch's intra-op threads
     while training (``None``: unchanged): on a shared 2-core machine one thread is often
-    faster than two (see the README)."""
+    faster than two (see the README). Training runs on ``device``
+    (:func:`fedfm.models.device.resolve_device`)."""
     if threads is not None and threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")
+    target = resolve_device(device)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        report = train_decoder(source, restart=restart, progress=progress, log=log)
+        report = train_decoder(
+            source, restart=restart, progress=progress, log=log, device=target
+        )
     finally:
         torch.set_num_threads(previous)
     log(f"[fedfm] decoder {source.name}: {source.path}")

@@ -109,8 +109,10 @@ def run_helix_benchmark(
     results_dir: Path,
     cache_dir: Path | None,
     command: str | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
-    """Measure (module docstring) and write ``helix_bench.{json,md}``."""
+    """Measure (module docstring) and write ``helix_bench.{json,md}``; the transformer encoders
+    run on ``device`` (default: the CPU; the encrypted inference is CKKS on the CPU)."""
     data = build_splits(
         seed=seed,
         public_size=public_size,
@@ -119,10 +121,20 @@ def run_helix_benchmark(
         ood_size=ood_size,
     )
     provider = embed_party(
-        provider_spec, data, data.public + data.train.texts, seed=seed, cache_dir=cache_dir
+        provider_spec,
+        data,
+        data.public + data.train.texts,
+        seed=seed,
+        cache_dir=cache_dir,
+        device=device,
     )
     client = embed_party(
-        client_spec, data, data.public + data.queries.texts, seed=seed, cache_dir=cache_dir
+        client_spec,
+        data,
+        data.public + data.queries.texts,
+        seed=seed,
+        cache_dir=cache_dir,
+        device=device,
     )
     head = train_head(provider.train, data.train.labels, seed=seed)
     key = os.urandom(32)

@@ -106,10 +106,16 @@ class PartyView:
 
 
 def embed_party(
-    spec: str, data: HelixData, corpus: Sequence[str], *, seed: int, cache_dir: Path | None
+    spec: str,
+    data: HelixData,
+    corpus: Sequence[str],
+    *,
+    seed: int,
+    cache_dir: Path | None,
+    device: str | None = None,
 ) -> PartyView:
-    """Build ``spec``, fit it on its owner's ``corpus``, embed every split."""
-    encoder = build_encoder(spec, seed=seed)
+    """Build ``spec`` (on ``device``), fit it on its owner's ``corpus``, embed every split."""
+    encoder = build_encoder(spec, seed=seed, device=device)
     encoder.fit(corpus)
     return PartyView(
         *(
@@ -240,8 +246,10 @@ def run_helix_evaluation(
     results_dir: Path,
     cache_dir: Path | None,
     command: str | None = None,
+    device: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every metric for every (provider, client) encoder pair; writes ``helix_eval.{json,md}``."""
+    """Every metric for every (provider, client) encoder pair; writes ``helix_eval.{json,md}``.
+    The transformer encoders run on ``device`` (default: the CPU)."""
     data = build_splits(
         seed=seed,
         public_size=public_size,
@@ -253,8 +261,12 @@ def run_helix_evaluation(
     client_corpus = data.public + data.queries.texts
     rows = []
     for provider_spec, client_spec in pairs:
-        provider = embed_party(provider_spec, data, provider_corpus, seed=seed, cache_dir=cache_dir)
-        client = embed_party(client_spec, data, client_corpus, seed=seed, cache_dir=cache_dir)
+        provider = embed_party(
+            provider_spec, data, provider_corpus, seed=seed, cache_dir=cache_dir, device=device
+        )
+        client = embed_party(
+            client_spec, data, client_corpus, seed=seed, cache_dir=cache_dir, device=device
+        )
         row = {"provider": provider_spec, "client": client_spec}
         row["d_A"], row["d_B"] = provider.public.shape[1], client.public.shape[1]
         row |= evaluate_pair(provider, client, data, ridge=ridge, seeds=range(seed, seed + repeats))

@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from fedfm.crypto import get_backend
+from fedfm.crypto.backend import CryptoBackend
 from fedfm.crypto.randomness import ResearchStream
 from fedfm.crypto.simulate import SimulatedBatch
 from fedfm.errors import ConfigError
@@ -25,6 +27,7 @@ from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleB
 from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_BLOCK, DoubleBlindConfig
 from fedfm.protocols.double_blind.driver import RoundRecord, run_double_blind
 from fedfm.protocols.double_blind.permutation import RoundPermutations
+from fedfm.protocols.double_blind.runner import server_model_on
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.local import LocalNode
@@ -105,11 +108,13 @@ def run_observed(
     observers: Sequence[Observer] = (),
     seed: int = 0,
     log: Callable[[str], None] = print,
+    device: str | torch.device | None = "auto",
 ) -> ObservedRun:
     """Run the protocol over ``datasets`` (node ``i`` holds ``datasets[i]``) with observers.
 
     One researcher plays every party: the data owners accept the plaintext ``simulate`` backend
-    and the server draws from ``ResearchStream(seed)`` (reproducible, not secret).
+    and the server draws from ``ResearchStream(seed)`` (reproducible, not secret). Plaintext
+    torch runs on ``device`` (the model is back where it was afterwards).
     """
     if not datasets:
         raise ConfigError("an observed run needs at least one client")
@@ -117,6 +122,24 @@ def run_observed(
     if len(classes) != 1:
         raise ConfigError(f"clients disagree on the number of classes: {sorted(classes)}")
     backend = get_backend(config.backend)
+    with server_model_on(model, backend.name, device, log=log) as target:
+        return _run_observed(
+            model, datasets, config, backend, target, observers=observers, seed=seed, log=log
+        )
+
+
+def _run_observed(
+    model: FheViT,
+    datasets: Sequence[ClientData],
+    config: DoubleBlindConfig,
+    backend: CryptoBackend,
+    device: torch.device,
+    *,
+    observers: Sequence[Observer],
+    seed: int,
+    log: Callable[[str], None],
+) -> ObservedRun:
+    classes = {data.num_classes for data in datasets}
     keys = signed_federation(range(len(datasets)))  # each data owner signs its SecAgg keys
     handlers = {
         node: ObservedClient(
@@ -126,6 +149,7 @@ def run_observed(
                 policy=RESEARCHER_POLICY,
                 partition_id=node,
                 authentication=keys[node],
+                device=device,
             ),
             node,
             observers,

@@ -53,6 +53,7 @@ from fedfm.experiments.baselines import (
 )
 from fedfm.experiments.results import json_safe, write_results
 from fedfm.experiments.sweep import median_latency, saved_tensor_bytes
+from fedfm.models.device import reset_peak_memory, resolve_device, to_numpy
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
@@ -61,7 +62,7 @@ from fedfm.protocols.double_blind.config import (
     revealed_blocks,
 )
 from fedfm.protocols.double_blind.driver import load_state
-from fedfm.protocols.double_blind.runner import Federation
+from fedfm.protocols.double_blind.runner import Federation, server_model_on
 from fedfm.protocols.double_blind.server import balanced_accuracy
 
 METHODS_IN_TABLE_ORDER = ("linear-probe", "full-finetune", "ours")  # the paper's row order
@@ -188,11 +189,13 @@ def adapter_test_accuracy(
         alpha=config.alpha,
     )
     adapter.set_arrays(arrays)
+    device = next(student.parameters()).device  # the adapter runs beside the student
+    adapter.to(device)
     with torch.no_grad():
-        outputs = _block_outputs(student, test.images, blocks)
-        order = torch.arange(len(test.images))  # no permutation: every sample in place
+        outputs = _block_outputs(student, test.images.to(device), blocks)
+        order = torch.arange(len(test.images), device=device)  # no permutation: in place
         logits = adapter(outputs, order, order.repeat(len(blocks), 1))
-    return _balanced(test.labels.numpy(), logits.argmax(1).numpy(), test.num_classes)
+    return _balanced(test.labels.numpy(), to_numpy(logits.argmax(1)), test.num_classes)
 
 
 def run_cell(
@@ -205,8 +208,11 @@ def run_cell(
     scratch: Path,
     *,
     log: Callable[[str], None],
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
-    """One method on one federation with one seed; the record kept in the cell's file."""
+    """One method on one federation with one seed; the record kept in the cell's file.
+    Plaintext torch runs on ``device`` (default: the CPU)."""
+    device = device if device is not None else torch.device("cpu")
     config = DoubleBlindConfig(
         rounds=spec.rounds,
         batch_size=setting.batch_size,
@@ -219,15 +225,31 @@ def run_cell(
     started = time.perf_counter()
     if method == "full-finetune":
         history, model = run_full_finetune(
-            student, splits, config, federation, finetune=FineTuneConfig(), seed=seed, log=log
+            student,
+            splits,
+            config,
+            federation,
+            finetune=FineTuneConfig(),
+            seed=seed,
+            log=log,
+            device=device,
         )
         with torch.no_grad():
-            predictions = model.eval()(splits.test.images).argmax(1).numpy()
+            model = model.eval().to(device)
+            predictions = to_numpy(model(splits.test.images.to(device)).argmax(1))
         test_accuracy = _balanced(splits.test.labels.numpy(), predictions, splits.test.num_classes)
         parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     else:
         result = run_adaptation(
-            method, student, splits, config, federation, seed=seed, checkpoint_dir=scratch, log=log
+            method,
+            student,
+            splits,
+            config,
+            federation,
+            seed=seed,
+            checkpoint_dir=scratch,
+            log=log,
+            device=device,
         )
         history, parameters = result.history, result.trainable_parameters
         if method == "linear-probe":
@@ -236,7 +258,10 @@ def run_cell(
         state = load_state(scratch, identity)
         if state is None:
             raise ConfigError(f"the run of {method} left no final state in {scratch}")
-        test_accuracy = adapter_test_accuracy(student, state.global_arrays, config, splits.test)
+        with server_model_on(student, "simulate", device):
+            test_accuracy = adapter_test_accuracy(
+                student, state.global_arrays, config, splits.test
+            )
     return {
         "method": method,
         "setting": asdict(setting),
@@ -309,11 +334,15 @@ def run_table(
     results_dir: Path,
     command: str | None = None,
     log: Callable[[str], None] = print,
+    device: str | torch.device | None = "auto",
 ) -> list[dict[str, Any]]:
     """Every cell of ``spec`` (finished ones read back from ``workdir``); the summary rows.
 
-    ``students`` maps each setting's ``distill_data`` to the student distilled on it.
+    ``students`` maps each setting's ``distill_data`` to the student distilled on it; plaintext
+    torch runs on ``device`` (the results record it, with peak accelerator memory on a GPU).
     """
+    target = resolve_device(device)
+    reset_peak_memory(target)
     missing = sorted({s.distill_data for s in spec.settings} - set(students))
     if missing:
         raise ConfigError(f"table {spec.name!r} needs students distilled on {missing}")
@@ -342,6 +371,7 @@ def run_table(
             splits,
             scratch,
             log=lambda _line: None,
+            device=target,
         )
         _write_atomically(path, record)
         cells[(method, setting.label, seed)] = record
@@ -373,6 +403,7 @@ def run_table(
         ],
         extra={"cells": list(cells.values()), "spec": asdict(spec)},
         command=command,
+        device=target,
     )
     if spec.figure_setting:
         path = plot_figure3(spec, rows, list(cells.values()), spec.figure_setting, results_dir)
@@ -439,8 +470,9 @@ def _training_step(
     """One client training step of ``method`` on a batch (forward and backward), and the
     method's trainable parameters. Ours and linear probing run the student's blocks without
     gradients (the server's encrypted part) and train the side adapter and head on their outputs."""
+    device = images.device  # the student is there too
     if method == "full-finetune":
-        model = finetune_model(student, classes, seed=0).train()
+        model = finetune_model(student, classes, seed=0).train().to(device)
         parameters = [p for p in model.parameters() if p.requires_grad]
 
         def finetune_step() -> None:
@@ -460,8 +492,8 @@ def _training_step(
         num_classes=classes,
         rank=config.rank,
         alpha=config.alpha,
-    )
-    order = torch.arange(len(images))
+    ).to(device)
+    order = torch.arange(len(images), device=device)
 
     def adapter_step() -> None:
         with torch.no_grad():
@@ -482,20 +514,23 @@ def run_efficiency_table(
     repeats: int = 20,
     results_dir: Path,
     command: str | None = None,
+    device: str | torch.device | None = "auto",
 ) -> list[dict[str, Any]]:
     """Table 4 (App. F): trainable parameters, latency per sample of a training step (forward
     and backward), and the activation memory autograd keeps for that step, per method; ratios
-    to linear probing measured in the same run."""
-    images = splits.pool.images[:batch_size]
-    labels = splits.pool.labels[:batch_size].long()
+    to linear probing measured in the same run. The steps run on ``device``."""
+    target = resolve_device(device)
+    reset_peak_memory(target)
+    images = splits.pool.images[:batch_size].to(target)
+    labels = splits.pool.labels[:batch_size].long().to(target)
     rows = []
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), server_model_on(student, "simulate", target):
         torch.manual_seed(0)
         for method in methods:
             step, parameters = _training_step(
                 method, student, images, labels, splits.pool.num_classes
             )
-            seconds = median_latency(step, repeats=repeats)
+            seconds = median_latency(step, repeats=repeats, device=target)
             rows.append(
                 {
                     "method": method,
@@ -516,8 +551,13 @@ def run_efficiency_table(
         description=(
             f"One client training step on a batch of {batch_size} pool images at "
             f"{tuple(images.shape[1:])} with the distilled student ({student.num_blocks} blocks, "
-            f"width {student.vit.embed_dim}), plaintext torch on CPU with "
-            f"{torch.get_num_threads()} thread(s): latency is the median of {repeats} steps "
+            f"width {student.vit.embed_dim}), plaintext torch on "
+            + (
+                f"CPU with {torch.get_num_threads()} thread(s)"
+                if target.type == "cpu"
+                else f"{target} ({torch.cuda.get_device_name(target)})"
+            )
+            + f": latency is the median of {repeats} steps "
             "(forward and backward) divided by the batch; ours and linear probing run the "
             "student's blocks without gradients, as the server does under encryption, and train "
             "the adapter and head. Memory: the bytes autograd keeps for the step's backward "
@@ -535,5 +575,6 @@ def run_efficiency_table(
             ("activation_x", "x LP"),
         ],
         command=command,
+        device=target,
     )
     return rows

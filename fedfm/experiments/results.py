@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from fedfm.models.device import device_report
+
 
 def command_line() -> str:
     """The command that is running, as a user would type it."""
@@ -22,8 +24,13 @@ def command_line() -> str:
     return shlex.join([program, *sys.argv[1:]])
 
 
-def environment() -> dict[str, Any]:
-    """Where a measurement ran: enough to compare numbers across machines honestly."""
+def environment(device: torch.device | None = None) -> dict[str, Any]:
+    """Where a measurement ran: enough to compare numbers across machines honestly.
+
+    With the ``device`` plaintext torch ran on: that device (and its name), the CUDA version
+    torch was built for (``None`` for a CPU-only build) and, on a GPU, the peak memory torch
+    allocated there (:func:`fedfm.models.device.device_report`).
+    """
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -31,6 +38,7 @@ def environment() -> dict[str, Any]:
         "processor": platform.processor() or "unknown",
         "torch_threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"),
+        **(device_report(device) if device is not None else {}),
     }
 
 
@@ -64,6 +72,17 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, 
     return "\n".join(lines)
 
 
+def _hardware_line(env: dict[str, Any]) -> str:
+    """The device line of a Markdown result (empty when the run named no device)."""
+    if "device" not in env:
+        return ""
+    peak = env["peak_accelerator_memory_bytes"]
+    memory = "" if peak is None else f", peak accelerator memory {peak / 2**20:.0f} MiB"
+    cuda = f"built for CUDA {env['cuda']}" if env["cuda"] else "a CPU-only build"
+    device = f"{env['device']} ({env['device_name']})"
+    return f"Device: {device}; torch {env['torch']}, {cuda}{memory}.\n\n"
+
+
 def write_results(
     results_dir: Path,
     name: str,
@@ -74,10 +93,12 @@ def write_results(
     columns: Sequence[tuple[str, str]],
     extra: dict[str, Any] | None = None,
     command: str | None = None,
+    device: torch.device | None = None,
 ) -> tuple[Path, Path]:
     """Write ``<name>.json`` and ``<name>.md`` under ``results_dir`` and print the command.
 
-    ``command`` is the command line that regenerates the results (default: this process's).
+    ``command`` is the command line that regenerates the results (default: this process's);
+    ``device``, where plaintext torch ran, goes into the environment (:func:`environment`).
     """
     results_dir.mkdir(parents=True, exist_ok=True)
     command = command or command_line()
@@ -85,7 +106,7 @@ def write_results(
         "title": title,
         "description": description,
         "command": command,
-        "environment": environment(),
+        "environment": environment(device),
         "rows": list(rows),
         **(extra or {}),
     }
@@ -95,7 +116,7 @@ def write_results(
     json_path.write_text(json.dumps(payload, indent=2, default=str, allow_nan=False))
     md_path.write_text(
         f"# {title}\n\n{description}\n\n{markdown_table(rows, columns)}\n\n"
-        f"Regenerate: `{command}`\n"
+        f"{_hardware_line(payload['environment'])}Regenerate: `{command}`\n"
     )
     print(f"[fedfm] wrote {json_path} and {md_path}")
     print(f"[fedfm] regenerate with: {command}")

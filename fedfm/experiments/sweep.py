@@ -6,10 +6,12 @@ held-out test set:
 
 * attention loss ``L_a`` (Eq. 12) and representation loss ``L_h`` (Eq. 13), per element;
 * one-epoch accuracy (test accuracy after that single epoch);
-* latency of a forward pass over a batch of 8 (median of repeats, plaintext torch on CPU);
+* latency of a forward pass over a batch of 8 (median of repeats, plaintext torch on the run's
+  device, ``--device``);
 * peak memory of one training step (forward + backward over a batch of 8): the rise of the
   resident-set high-water mark in a fresh process that holds only the student (a CPU has no
-  allocator peak counter like ``torch.cuda.max_memory_allocated``);
+  allocator peak counter like ``torch.cuda.max_memory_allocated``; this step runs on the CPU
+  whatever the device, and the results record the GPU's own peak separately);
 * activation memory: bytes of the tensors autograd saves for that backward pass (deterministic;
   this is what grows with the degree).
 
@@ -37,6 +39,12 @@ from fedfm.distillation.pipeline import DistillRun, load_data, teacher_for
 from fedfm.distillation.training import batches, score
 from fedfm.errors import ConfigError
 from fedfm.experiments.results import write_results
+from fedfm.models.device import (
+    mixed_precision,
+    reset_peak_memory,
+    resolve_device,
+    synchronize,
+)
 from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import ModelSpec
 
@@ -60,15 +68,21 @@ def _varied_spec_depth(approx: ApproxConfig, kind: str) -> int | None:
     return None if spec is None else spec.depth
 
 
-def median_latency(fn: Callable[[], Any], *, repeats: int) -> float:
-    """Median wall time of ``fn()`` in seconds, after one warm-up call."""
+def median_latency(
+    fn: Callable[[], Any], *, repeats: int, device: torch.device | None = None
+) -> float:
+    """Median wall time of ``fn()`` in seconds, after one warm-up call (on a GPU ``device``,
+    each call's queued work is waited for before the clock stops)."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    device = device if device is not None else torch.device("cpu")
     fn()
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
@@ -127,11 +141,11 @@ def peak_step_memory(spec: ModelSpec, student: FheViT, images: torch.Tensor) -> 
 
     The process is gone when this returns, so it cannot disturb later latency measurements.
     """
-    state = {key: value.clone() for key, value in student.state_dict().items()}
+    state = {key: value.detach().cpu().clone() for key, value in student.state_dict().items()}
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=context) as executor:
         return executor.submit(
-            _training_step_peak_rss, spec, student.approx, state, images
+            _training_step_peak_rss, spec, student.approx, state, images.cpu()
         ).result()
 
 
@@ -139,8 +153,10 @@ def peak_step_memory(spec: ModelSpec, student: FheViT, images: torch.Tensor) -> 
 def evaluation_losses(student: FheViT, teacher: FheViT, images: torch.Tensor) -> dict[str, float]:
     """Mean attention and representation losses over the test images."""
     student.eval()
+    device = next(student.parameters()).device
     sums = {"attention": 0.0, "hidden": 0.0}
     for batch_images, _ in batches(images, torch.zeros(len(images)), batch_size=64):
+        batch_images = batch_images.to(device)
         terms = layer_losses(
             student.forward_intermediates(batch_images), teacher.forward_intermediates(batch_images)
         )
@@ -169,17 +185,20 @@ def run_sweep(
     configs = [(value, sweep_config(kind, value)) for value in values]  # validate before work
     if not configs:
         raise ConfigError("the sweep needs at least one value")
+    device = resolve_device(run.device)
+    precision = mixed_precision(run.precision, device, log=log)
+    reset_peak_memory(device)
     splits, image_size = load_data(run)
     torch.manual_seed(run.seed)
     teacher_vit, _ = teacher_for(run, splits, image_size, progress=progress, log=log)
-    teacher = to_fhe_friendly(teacher_vit, ApproxConfig.exact()).eval()
+    teacher = to_fhe_friendly(teacher_vit, ApproxConfig.exact()).eval().to(device)
     one_epoch = replace(run.distill, epochs=2)  # stage1_epochs == 1
-    calibration = calibration_batches(splits.aux.images, one_epoch)
-    bench_images = splits.test.images[:BENCH_BATCH]
+    calibration = [b.to(device) for b in calibration_batches(splits.aux.images, one_epoch)]
+    bench_images = splits.test.images[:BENCH_BATCH].to(device)
     spec = ModelSpec(run.model, splits.aux.num_classes, image_size)
     rows = []
     for value, approx in configs:
-        student = to_fhe_friendly(teacher_vit, approx)
+        student = to_fhe_friendly(teacher_vit, approx).to(device)
         calibrate(student, calibration)
         optimizer = torch.optim.Adam(student.parameters(), lr=one_epoch.lr_stage1)
         run_epoch(
@@ -193,13 +212,16 @@ def run_sweep(
             generator=torch.Generator().manual_seed(run.seed),
             progress=progress,
             description=f"{kind}={value if value is not None else 'exact'}",
+            precision=precision,
         )
         calibrate(student, calibration)
         losses = evaluation_losses(student, teacher, splits.test.images)
         accuracy = score(student, splits.test.images, splits.test.labels)
         student.eval()
         with torch.inference_mode():
-            latency = median_latency(lambda s=student: s(bench_images), repeats=repeats)
+            latency = median_latency(
+                lambda s=student: s(bench_images), repeats=repeats, device=device
+            )
         peak = peak_step_memory(spec, student, bench_images)
         row = {
             kind: "exact" if value is None else value,
@@ -228,7 +250,10 @@ def run_sweep(
         description=(
             f"Dataset {run.dataset} (D_aux {len(splits.aux)}, test {len(splits.test)}), model "
             f"{run.model} at {image_size}px, one stage-I epoch (batch {one_epoch.batch_size}, Adam "
-            f"{one_epoch.lr_stage1}) per row, plaintext torch on CPU. Losses are per-element MSE "
+            f"{one_epoch.lr_stage1}) per row, plaintext torch on "
+            f"{'CPU' if device.type == 'cpu' else device}"
+            + (f" ({precision.describe()})" if precision.enabled else "")
+            + ". Losses are per-element MSE "
             f"on the test set; latency is a forward pass over {BENCH_BATCH} images; peak memory "
             "is the rise of the resident-set high-water mark over one forward + backward pass "
             "on them in a fresh process; activation memory is what autograd saves for that "
@@ -251,5 +276,6 @@ def run_sweep(
             ("one_epoch_accuracy", "one-epoch accuracy"),
         ],
         command=command,
+        device=device,
     )
     return rows

@@ -13,6 +13,9 @@
     Any Hugging Face encoder already on this machine (a local folder or a cached hub name),
     with the same mean pooling; :class:`~fedfm.errors.ModelError` if it is not there: nothing
     is ever downloaded.
+
+The transformer encoders run on a device (``device``: :mod:`fedfm.models.device`; the CPU by
+default) and return numpy arrays; LSA is scikit-learn on the CPU.
 """
 
 from __future__ import annotations
@@ -63,13 +66,20 @@ def packaged_minilm_path() -> Path:
 class TransformerEncoder:
     """A Hugging Face encoder with mean pooling and L2 normalisation, loaded offline."""
 
-    def __init__(self, source: str | Path, *, name: str | None = None) -> None:
+    def __init__(
+        self, source: str | Path, *, name: str | None = None, device: str | None = None
+    ) -> None:
         from transformers import AutoModel, AutoTokenizer
+
+        from fedfm.models.device import resolve_device
+
+        self.device = resolve_device(device or "cpu")
 
         self.name = name or str(source)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
             self.model = AutoModel.from_pretrained(str(source), local_files_only=True).eval()
+            self.model.to(self.device)
         except OSError as error:
             raise ModelError(
                 f"encoder {source!r} is not available on this machine ({error}); fedfm does not "
@@ -92,11 +102,11 @@ class TransformerEncoder:
                     truncation=True,
                     max_length=MAX_TOKENS,
                     return_tensors="pt",
-                )
+                ).to(self.device)
                 hidden = self.model(**tokens).last_hidden_state
                 mask = tokens["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                batches.append(pooled.double().numpy())
+                batches.append(pooled.double().cpu().numpy())
         return _normalised(np.concatenate(batches))
 
 
@@ -128,15 +138,16 @@ class LsaEncoder:
         return _normalised(self._pipeline.transform(list(texts)))
 
 
-def build_encoder(spec: str, *, seed: int = 0) -> TextEncoder:
-    """The encoder ``spec`` names (module docstring)."""
+def build_encoder(spec: str, *, seed: int = 0, device: str | None = None) -> TextEncoder:
+    """The encoder ``spec`` names (module docstring); transformer encoders run on ``device``
+    (default: the CPU)."""
     kind, _, argument = spec.partition(":")
     if kind == "minilm" and not argument:
-        return TransformerEncoder(packaged_minilm_path(), name="minilm")
+        return TransformerEncoder(packaged_minilm_path(), name="minilm", device=device)
     if kind == "lsa":
         if argument and not argument.isdigit():
             raise ConfigError(f"lsa dimensions must be an integer, got {argument!r}")
         return LsaEncoder(int(argument) if argument else LSA_DIMENSIONS, seed=seed)
     if kind == "hf" and argument:
-        return TransformerEncoder(argument, name=spec)
+        return TransformerEncoder(argument, name=spec, device=device)
     raise ConfigError(f"unknown encoder {spec!r}: use 'minilm', 'lsa[:<dims>]' or 'hf:<name|path>'")

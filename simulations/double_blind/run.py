@@ -31,6 +31,12 @@ What it does, because Flower 1.41 needs it done:
   instead (the data owners then trust the server to relay their keys faithfully);
 * the server's randomness keyed by ``--server-secret-file`` (``$FEDFM_SERVER_SECRET_FILE`` of the
   ServerApp; default: a fresh key from the OS) for reproducible runs;
+* each virtual client's resources (Ray's share of CPUs and of a GPU per ClientApp) from the app's
+  ``[tool.fedfm.simulation]`` table (``client-resources-num-cpus``, ``client-resources-num-gpus``;
+  Flower's own defaults, 2 and 0.0) or ``--num-cpus`` / ``--num-gpus`` (fractional: 0.2 puts
+  five clients on one GPU), passed as ``flwr run --federation-config
+  "num-supernodes=K client-resources-num-cpus=C client-resources-num-gpus=G"``; a GPU share
+  without a GPU that torch sees stops here, in one line (Ray would wait for it forever);
 * the exit status is 0 only if Flower reports the run ``finished:completed``.
 """
 
@@ -45,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -56,6 +63,90 @@ BIN = Path(sys.executable).parent
 # script starts Flower and must stay light)
 NODE_CONFIG_ENV = "FEDFM_NODE_CONFIG"
 SERVER_SECRET_ENV = "FEDFM_SERVER_SECRET_FILE"
+
+
+class ClientResources:
+    """Ray's reservation per virtual client (a ClientApp): whole CPUs and a fraction of a GPU.
+
+    Flower runs as many ClientApps at once as the reservations fit: with one GPU and
+    ``num_gpus=0.2``, five; each of them sees the GPU (``--device auto`` picks it) and shares its
+    memory with the other four (Ray divides scheduling, not memory).
+
+    (A plain class, not a dataclass: the other apps' run.py load this file without registering
+    it in ``sys.modules``, which ``dataclasses`` needs.)
+    """
+
+    def __init__(self, num_cpus: int = 2, num_gpus: float = 0.0) -> None:
+        if not isinstance(num_cpus, int) or num_cpus < 1:
+            raise ValueError(f"client-resources-num-cpus must be an integer >= 1: {num_cpus}")
+        if not num_gpus >= 0.0:
+            raise ValueError(f"client-resources-num-gpus must be >= 0: {num_gpus}")
+        self.num_cpus, self.num_gpus = num_cpus, float(num_gpus)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ClientResources) and (self.num_cpus, self.num_gpus) == (
+            other.num_cpus,
+            other.num_gpus,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.num_cpus, self.num_gpus))
+
+    def __repr__(self) -> str:
+        return f"ClientResources(num_cpus={self.num_cpus}, num_gpus={self.num_gpus})"
+
+    @classmethod
+    def of_app(
+        cls, app: Path, *, num_cpus: int | None = None, num_gpus: float | None = None
+    ) -> ClientResources:
+        """The app's ``[tool.fedfm.simulation]`` settings, overridden by the given values."""
+        table = (
+            tomllib.loads((app / "pyproject.toml").read_text())
+            .get("tool", {})
+            .get("fedfm", {})
+            .get("simulation", {})
+        )
+        defaults = cls()
+        return cls(
+            num_cpus=int(
+                num_cpus
+                if num_cpus is not None
+                else table.get("client-resources-num-cpus", defaults.num_cpus)
+            ),
+            num_gpus=float(
+                num_gpus
+                if num_gpus is not None
+                else table.get("client-resources-num-gpus", defaults.num_gpus)
+            ),
+        )
+
+    def federation_config(self, supernodes: int) -> str:
+        """``flwr run --federation-config``'s value for ``supernodes`` simulated nodes."""
+        return (
+            f"num-supernodes={supernodes} client-resources-num-cpus={self.num_cpus} "
+            f"client-resources-num-gpus={self.num_gpus}"
+        )
+
+    def check_gpu(self) -> None:
+        """Refuse a GPU share when torch sees no GPU (imports torch only then)."""
+        if self.num_gpus > 0:
+            from fedfm.models.device import resolve_device
+
+            resolve_device("cuda")
+
+
+def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--num-cpus`` and ``--num-gpus``: each virtual client's reservation (default: the app's
+    ``[tool.fedfm.simulation]``)."""
+    parser.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs per virtual client (app TOML: 2)"
+    )
+    parser.add_argument(
+        "--num-gpus",
+        type=float,
+        default=None,
+        help="GPU fraction per virtual client, e.g. 0.2 for 5 clients on one GPU (app TOML: 0)",
+    )
 
 
 def _free_port() -> int:
@@ -166,6 +257,7 @@ def run(
     *,
     node_config: str = "",
     semi_honest: bool = False,
+    resources: ClientResources | None = None,
 ) -> int:
     """Start a SuperLink, run the double-blind app, stop the SuperLink; 0 if the run completed."""
     workdir = ROOT / "runs" / "distill"
@@ -179,21 +271,53 @@ def run(
     node_config = f"{node_config} {owners}".strip()
     print(f"[fedfm] simulated data owners' node config: {node_config}")
     status = run_app(
-        APP, supernodes, home, ["--run-config", defaults, *flwr_args], node_config=node_config
+        APP,
+        supernodes,
+        home,
+        ["--run-config", defaults, *flwr_args],
+        node_config=node_config,
+        resources=resources,
     )
     print(f"[fedfm] flwr run: {status}; SuperLink stopped")
     return 0 if status == "finished:completed" else 1
 
 
+def flwr_run_command(
+    app: Path, supernodes: int, resources: ClientResources, flwr_args: list[str]
+) -> list[str]:
+    """The ``flwr run`` command line: the app, the connection, the federation config (nodes and
+    each virtual client's resources), then ``flwr_args``."""
+    return [
+        str(BIN / "flwr"),
+        "run",
+        str(app),
+        CONNECTION,
+        "--stream",
+        "--federation-config",
+        resources.federation_config(supernodes),
+        *flwr_args,
+    ]
+
+
 def run_app(
-    app: Path, supernodes: int, home: Path, flwr_args: list[str], *, node_config: str = ""
+    app: Path,
+    supernodes: int,
+    home: Path,
+    flwr_args: list[str],
+    *,
+    node_config: str = "",
+    resources: ClientResources | None = None,
 ) -> str:
     """Run the Flower App in ``app`` on a private simulation SuperLink; the run's final status.
 
     ``flwr_args`` go to ``flwr run`` after the app, the connection and the federation config;
     ``node_config`` (``key=value`` pairs) is every simulated node's own config, handed to the
-    processes that run the ClientApps as ``$FEDFM_NODE_CONFIG``.
+    processes that run the ClientApps as ``$FEDFM_NODE_CONFIG``; ``resources`` each virtual
+    client's reservation (default: the app's ``[tool.fedfm.simulation]``).
     """
+    resources = resources or ClientResources.of_app(app)
+    resources.check_gpu()  # before a SuperLink starts: Ray would wait forever for a GPU
+    print(f"[fedfm] simulation: {resources.federation_config(supernodes)}")
     # Ray's own folder: short (its socket paths must stay under 108 bytes) and private (Ray
     # would join a cluster another user started with `ray start` under the shared /tmp/ray)
     with tempfile.TemporaryDirectory(prefix="fedfm-ray-", ignore_cleanup_errors=True) as ray:
@@ -223,16 +347,7 @@ def run_app(
             )
             try:
                 _wait_until_healthy(port, superlink)
-                command = [
-                    str(BIN / "flwr"),
-                    "run",
-                    str(app),
-                    CONNECTION,
-                    "--stream",
-                    "--federation-config",
-                    f"num-supernodes={supernodes}",
-                    *flwr_args,
-                ]
+                command = flwr_run_command(app, supernodes, resources, flwr_args)
                 exit_code = subprocess.run(command, env=env, cwd=ROOT, check=False).returncode
                 return _run_status(env) if exit_code == 0 else f"flwr run exited with {exit_code}"
             finally:
@@ -267,10 +382,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the data owners take SecAgg keys as the server relays them (no identities)",
     )
+    add_resource_arguments(parser)
     args, flwr_args = parser.parse_known_args(argv)
     if args.server_secret_file is not None:
         os.environ[SERVER_SECRET_ENV] = str(args.server_secret_file.resolve())
-    own = {"node_config": args.node_config, "semi_honest": args.secagg_semi_honest}
+    from fedfm.errors import FedfmError
+
+    try:
+        resources = ClientResources.of_app(APP, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
+        resources.check_gpu()
+    except (ValueError, FedfmError) as error:
+        print(f"run.py: error: {error}", file=sys.stderr)
+        return 2
+    own = {
+        "node_config": args.node_config,
+        "semi_honest": args.secagg_semi_honest,
+        "resources": resources,
+    }
     if args.flwr_home is not None:
         args.flwr_home.mkdir(parents=True, exist_ok=True)
         return run(args.supernodes, args.flwr_home.resolve(), flwr_args, **own)

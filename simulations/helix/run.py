@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--public-size", type=int, default=512, help="public samples (512)")
     parser.add_argument("--queries", type=int, default=16, help="queries per client (16)")
     parser.add_argument("--workspace", type=Path, help="an empty or new folder to keep")
+    launcher.add_resource_arguments(parser)
     args, flwr_args = parser.parse_known_args(argv)
+    resources = launcher.ClientResources.of_app(APP, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     build = synthetic_inputs if args.synthetic else real_inputs
     inputs = build(args.clients, seed=args.seed, public_size=args.public_size, queries=args.queries)
     with tempfile.TemporaryDirectory(prefix="fedfm-helix-") as temporary:
@@ -175,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         home = workspace / "flwr-home"
         home.mkdir()
         overrides = ["--run-config", config_pairs(config), *flwr_args]
-        status = launcher.run_app(APP, len(inputs), home, overrides, node_config=node_config)
+        status = launcher.run_app(
+            APP, len(inputs), home, overrides, node_config=node_config, resources=resources
+        )
         print(f"[fedfm] flwr run: {status}; SuperLink stopped")
         if status != "finished:completed":
             return 1

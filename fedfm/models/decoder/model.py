@@ -132,6 +132,7 @@ def greedy_generate(
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_vocabulary(model, tokenizer)
     ids = encode_prompt(tokenizer, prompt, context=context_length(model), reserve=max_new_tokens)
+    ids = ids.to(model.device)
     model.eval()
     output = model.generate(  # type: ignore[operator]
         input_ids=ids,
@@ -166,11 +167,12 @@ def token_blocks(documents: Sequence[Sequence[int]], context: int) -> torch.Tens
 
 @torch.no_grad()
 def mean_loss(model: PreTrainedModel, blocks: torch.Tensor, *, batch_size: int = 32) -> float:
-    """Mean next-token cross-entropy (nats) over every predicted position of ``blocks``."""
+    """Mean next-token cross-entropy (nats) over every predicted position of ``blocks`` (moved
+    to the model's device a batch at a time)."""
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(blocks), batch_size):
-        batch = blocks[start : start + batch_size]
+        batch = blocks[start : start + batch_size].to(model.device)
         logits = model(input_ids=batch).logits[:, :-1].float()
         targets = batch[:, 1:]
         total += float(

@@ -46,6 +46,7 @@ from fedfm.models.decoder.model import (
     unigram_perplexity,
 )
 from fedfm.models.decoder.tokenizer import train_bpe
+from fedfm.models.device import device_report, reset_peak_memory
 
 SAMPLE_PROMPTS = ("Return the", "This module provides", "Raise ValueError if")
 SAMPLE_TOKENS = 24
@@ -124,13 +125,15 @@ def train_decoder(
     progress: bool = True,
     log: Callable[[str], None] = print,
     on_step: Callable[[int], None] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """Train (or resume training) the embedded decoder of ``source`` and cache it; return its
     report (also ``report.json`` in the folder). A finished decoder is not retrained: its report
     is returned, unless ``restart``.
 
     ``on_step(step)`` is called after each optimiser step (1-based), after any checkpoint of that
-    step: tests interrupt training from it.
+    step: tests interrupt training from it. The model trains on ``device`` (default: the CPU;
+    not part of the cache key) and is saved from the CPU.
 
     Raises
     ------
@@ -174,6 +177,9 @@ def train_decoder(
     with torch.random.fork_rng():
         torch.manual_seed(training.seed)
         model = build_decoder(variant, attn_implementation="sdpa")  # fastest on CPU; same maths
+    device = device if device is not None else torch.device("cpu")
+    model.to(device)  # type: ignore[arg-type]  # transformers wraps to() for dtype checks
+    reset_peak_memory(device)
     optimizer = _optimizer(model, training)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(training))
     identity = source.identity()
@@ -221,7 +227,7 @@ def train_decoder(
     try:
         while step < training.steps:
             epoch, index = batch_indices(step, blocks=len(train_blocks), training=training)
-            batch = train_blocks[torch.from_numpy(index)]
+            batch = train_blocks[torch.from_numpy(index)].to(device)
             model.train()
             loss = model(input_ids=batch, labels=batch).loss
             optimizer.zero_grad(set_to_none=True)
@@ -315,8 +321,10 @@ def train_decoder(
             "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(),
             "machine": platform.machine(),
+            **device_report(device),
         },
     }
+    model.cpu()  # the cached decoder loads anywhere
     saving = source.path.with_name(source.path.name + ".saving")
     if saving.exists():
         shutil.rmtree(saving)

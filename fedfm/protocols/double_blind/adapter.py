@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.models.device import to_numpy
 
 
 class SideAdapterHead(nn.Module):
@@ -63,7 +64,7 @@ class SideAdapterHead(nn.Module):
 
     def get_arrays(self) -> dict[str, np.ndarray]:
         """Parameters as numpy arrays (what is aggregated)."""
-        return {name: value.detach().numpy().copy() for name, value in self.state_dict().items()}
+        return {name: to_numpy(value).copy() for name, value in self.state_dict().items()}
 
     def set_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Load parameters; refuses missing, extra or mis-shaped arrays."""

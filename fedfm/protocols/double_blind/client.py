@@ -42,6 +42,7 @@ import torch
 from fedfm.crypto import get_backend
 from fedfm.crypto.backend import CryptoBackend, KeyOwner
 from fedfm.errors import ConfigError, DataError, FedfmError, ProtocolAbort, ProtocolError
+from fedfm.models.device import to_numpy
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -256,6 +257,9 @@ class DoubleBlindClient:
     authentication:
         How this data owner authenticates the other clients' SecAgg keys (its identity and
         pins, or the explicit semi-honest mode); ``None`` refuses secure aggregation.
+    device:
+        Where the side adapters and head run (:func:`fedfm.models.device.resolve_device`;
+        default the CPU). Decrypted values move there and the replies' values back to numpy.
     """
 
     def __init__(
@@ -266,8 +270,10 @@ class DoubleBlindClient:
         policy: DataOwnerPolicy | None = None,
         partition_id: int = -1,
         authentication: KeyAuthentication | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.data = data
+        self.device = device if device is not None else torch.device("cpu")
         self._backend = backend
         self.policy = policy or DataOwnerPolicy()
         self.partition_id = partition_id
@@ -492,7 +498,7 @@ class DoubleBlindClient:
             self._check_label_counts(np.concatenate(labels), self.data.eval_labels, exact=True)
             confusion = np.zeros((self.data.num_classes,) * 2, dtype=np.int64)
             for batch_logits, truth in zip(logits, labels, strict=True):
-                np.add.at(confusion, (truth, batch_logits.argmax(dim=1).numpy()), 1)
+                np.add.at(confusion, (truth, to_numpy(batch_logits.argmax(dim=1))), 1)
             reply = Envelope(
                 envelope.message_type,
                 envelope.node_id,
@@ -502,8 +508,8 @@ class DoubleBlindClient:
             )
             return reply, replace(state, stage="ready")
         with torch.no_grad():
-            probs = [key.encrypt(batch.softmax(dim=1).numpy()) for batch in logits]
-            log_probs = [key.encrypt(batch.log_softmax(dim=1).numpy()) for batch in logits]
+            probs = [key.encrypt(to_numpy(batch.softmax(dim=1))) for batch in logits]
+            log_probs = [key.encrypt(to_numpy(batch.log_softmax(dim=1))) for batch in logits]
         return batch_reply(envelope, {"probs": probs, "log_probs": log_probs}), state
 
     def _labels(self, values: np.ndarray, rows: int, what: str) -> np.ndarray:
@@ -560,7 +566,7 @@ class DoubleBlindClient:
         own_losses, own_gradients, all_labels = [], [], []
         for index, (out, loss, gradient) in enumerate(zip(logits, losses, gradients, strict=True)):
             rows = out.shape[0]
-            probs = out.detach().softmax(dim=1).numpy()
+            probs = to_numpy(out.detach().softmax(dim=1))
             decrypted = key.decrypt_received(gradient)
             if decrypted.shape != probs.shape:
                 raise ProtocolError(
@@ -587,7 +593,7 @@ class DoubleBlindClient:
             all_labels.append(labels)
         self._check_label_counts(np.concatenate(all_labels), self.data.train_labels, exact=False)
         objective = sum(
-            (out * torch.from_numpy(grad.astype(np.float32))).sum()
+            (out * torch.from_numpy(grad.astype(np.float32)).to(self.device)).sum()
             for out, grad in zip(logits, own_gradients, strict=True)
         )
         (objective / count).backward()
@@ -600,11 +606,11 @@ class DoubleBlindClient:
                     config.momentum
                     * torch.from_numpy(
                         momentum.get(name, np.zeros(parameter.shape, dtype=np.float32))
-                    )
+                    ).to(self.device)
                     + parameter.grad
                 )
                 parameter -= config.lr * config.lr_factor(state.round) * velocity
-                new_momentum[name] = velocity.numpy().copy()
+                new_momentum[name] = to_numpy(velocity).copy()
         params = model.get_arrays()
         train_loss = float(np.mean(own_losses))
         num_examples = count * int(state.group("block1")["0"].shape[0])
@@ -688,7 +694,7 @@ class DoubleBlindClient:
             alpha=config.alpha,
         )
         model.set_arrays(params)
-        return model
+        return model.to(self.device)
 
     def _forward(
         self, state: ClientState, count: int, *, model: SideAdapterHead | None = None
@@ -698,11 +704,11 @@ class DoubleBlindClient:
         outputs = []
         for i in range(count):
             blocks = [
-                torch.from_numpy(state.group(f"block{b}")[str(i)])
+                torch.from_numpy(state.group(f"block{b}")[str(i)]).to(self.device)
                 for b in range(1, model.num_blocks + 1)
             ]
-            wrap = torch.from_numpy(perms[f"wrap.{i}"])
-            steps = torch.from_numpy(perms[f"steps.{i}"])
+            wrap = torch.from_numpy(perms[f"wrap.{i}"]).to(self.device)
+            steps = torch.from_numpy(perms[f"steps.{i}"]).to(self.device)
             outputs.append(model(blocks, wrap, steps))
         return outputs
 

@@ -11,16 +11,20 @@ data owners' own choices (``secagg_authentication``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fedfm.crypto import get_backend
+from fedfm.crypto.backend import CryptoBackend
 from fedfm.crypto.randomness import RandomSource
 from fedfm.data import DataSplits, ImageDataset, partition
 from fedfm.errors import ConfigError
+from fedfm.models.device import cpu_only_note, resolve_device
 from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
@@ -82,6 +86,42 @@ def federation_data(
     ]
 
 
+def place_server_model(
+    model: FheViT,
+    backend: str,
+    device: str | torch.device | None,
+    *,
+    log: Callable[[str], None] = print,
+) -> torch.device:
+    """Move the server's ``model`` (in place) to where ``backend`` evaluates it and return the
+    resolved ``device`` (what the clients' adapters use): ``simulate`` evaluates on ``device``,
+    CKKS on the CPU, which is logged when a GPU was asked for."""
+    target = resolve_device(device)
+    if backend == "simulate":
+        model.to(target)
+    else:
+        model.cpu()
+        if (note := cpu_only_note(target, f"the {backend} evaluation")) is not None:
+            log(note)
+    return target
+
+
+@contextmanager
+def server_model_on(
+    model: FheViT,
+    backend: str,
+    device: str | torch.device | None,
+    *,
+    log: Callable[[str], None] = print,
+) -> Iterator[torch.device]:
+    """:func:`place_server_model` for one run: the model goes back to the device it was on."""
+    before = next(model.parameters()).device
+    try:
+        yield place_server_model(model, backend, device, log=log)
+    finally:
+        model.to(before)
+
+
 def run_in_process(
     model: FheViT,
     splits: DataSplits,
@@ -95,6 +135,7 @@ def run_in_process(
     randomness: RandomSource | None = None,
     log: Callable[[str], None] = print,
     secagg_authentication: Sequence[KeyAuthentication] | None = None,
+    device: str | torch.device | None = "auto",
 ) -> tuple[list[RoundRecord], InProcessTransport]:
     """Run the protocol with every client in this process; return history and transport stats.
 
@@ -106,8 +147,45 @@ def run_in_process(
     ``secagg_authentication`` is each client's (in partition order) choice of SecAgg key
     authentication, a data owner's setting; by default every client signs with a fresh
     identity and pins the others' (:func:`~fedfm.protocols.secure_aggregation.signed_federation`).
+    ``device`` (:func:`~fedfm.models.device.resolve_device`) is where the plaintext torch runs:
+    the clients' adapters and heads and, with the ``simulate`` backend, the server's model
+    (for the run; it is back where it was afterwards); CKKS evaluates on the CPU.
     """
     backend = get_backend(config.backend)
+    with server_model_on(model, backend.name, device, log=log) as target:
+        return _run_in_process(
+            model,
+            splits,
+            config,
+            federation,
+            backend=backend,
+            device=target,
+            aggregator=aggregator,
+            checkpoint_dir=checkpoint_dir,
+            drop=drop,
+            policy=policy,
+            randomness=randomness,
+            log=log,
+            secagg_authentication=secagg_authentication,
+        )
+
+
+def _run_in_process(
+    model: FheViT,
+    splits: DataSplits,
+    config: DoubleBlindConfig,
+    federation: Federation,
+    *,
+    backend: CryptoBackend,
+    device: torch.device,
+    aggregator: Aggregator | None,
+    checkpoint_dir: Path | None,
+    drop: Callable[[Envelope], bool] | None,
+    policy: DataOwnerPolicy | None,
+    randomness: RandomSource | None,
+    log: Callable[[str], None],
+    secagg_authentication: Sequence[KeyAuthentication] | None,
+) -> tuple[list[RoundRecord], InProcessTransport]:
     datasets = federation_data(splits, federation, config)
     if secagg_authentication is None:
         chosen = list(signed_federation(range(len(datasets))).values())
@@ -126,6 +204,7 @@ def run_in_process(
                 policy=policy,
                 partition_id=node_id,
                 authentication=chosen[node_id],
+                device=device,
             ),
             ClientState,
         )

@@ -54,6 +54,10 @@ DEFAULTS: dict[str, RunValue] = {
     "connect-timeout": 60.0,
     "min-clients": 1,
     "checkpoint-dir": "",
+    # where each app's plaintext torch runs (fedfm.models.device: auto, cpu, cuda, cuda:N); a
+    # data owner's node config key 'device' overrides it for its ClientApp. In simulation,
+    # Flower/Ray gives a ClientApp the GPU share of options.backend.client-resources.num-gpus.
+    "device": "auto",
 }
 
 
@@ -85,6 +89,9 @@ class AppSettings:
     checkpoint_dir:
         Where the driver saves the global adapter and history after every round (``None``: no
         checkpoints, no resuming).
+    device:
+        Where the apps' plaintext torch runs (``auto``, ``cpu``, ``cuda``, ``cuda:N``; checked
+        by :func:`fedfm.models.device.resolve_device` where it is used).
     """
 
     student: StudentSource
@@ -96,6 +103,7 @@ class AppSettings:
     connect_timeout: float
     min_clients: int
     checkpoint_dir: Path | None
+    device: str = "auto"
 
 
 def _typed(values: Mapping[str, object], key: str) -> RunValue:
@@ -174,4 +182,5 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         connect_timeout=float(v["connect-timeout"]),
         min_clients=int(v["min-clients"]),
         checkpoint_dir=Path(str(v["checkpoint-dir"])) if v["checkpoint-dir"] else None,
+        device=str(v["device"]),
     )
