@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fedfm.data.stdlib_text import stdlib_root
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.models.decoder import DecoderSource, DecoderTraining, train_decoder
 from fedfm.protocols.slip.decomposition import build_plan, parse_blocks, split_weight
 from fedfm.protocols.slip.hybrid import (
     ATTENTIONS,
@@ -212,6 +215,9 @@ def test_pads_are_never_reused_nor_missing(model: Any, ids: torch.Tensor, tmp_pa
     assert again.remaining("w") == 2
     with pytest.raises(ProtocolError, match="never reused"):
         again.take_rows("w", 0, 2)
+    other = PadStore.load(tmp_path / "pads")  # another process holding the same store
+    again.take("w", 1)
+    assert other.take("w", 1)[0] == 3  # it sees the row the first one took
 
 
 def test_pads_come_from_the_os_and_cover_the_ring() -> None:
@@ -302,3 +308,98 @@ def test_runtime_run_equals_the_in_process_hybrid_and_seals_the_output(
     assert np.abs(report["logits"] - expected).max() / np.abs(expected).max() <= TOLERANCE
     assert int(report["next_token"][0]) == int(expected.argmax())
     assert not result.outputs.get("david")
+
+
+# -- the Flower app, real models (slow) ------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+MICRO_TRAINING = DecoderTraining(
+    steps=16, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=8, checkpoint_every=8
+)
+
+
+def test_the_app_toml_matches_the_defaults() -> None:
+    import tomllib
+
+    from fedfm.protocols.slip.defaults import DEFAULTS
+    from fedfm.runtime.settings import RUN_CONFIG_DEFAULTS
+
+    app = tomllib.loads((ROOT / "simulations" / "slip" / "pyproject.toml").read_text())
+    # a round trip may include a node's first model load: the app allows 600 s, not 60
+    assert app["tool"]["flwr"]["app"]["config"] == {
+        **RUN_CONFIG_DEFAULTS,
+        "timeout": 600.0,
+        **DEFAULTS,
+    }
+    assert app["tool"]["flwr"]["app"]["components"] == {
+        "serverapp": "fedfm_strategies.slip:app",
+        "clientapp": "fedfm_clients.slip:app",
+    }
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> DecoderSource:
+    """The shared decoder's micro variant, trained for a few steps (as tests/models do)."""
+    source = DecoderSource(
+        name="llama_fedfm_micro",
+        cache_dir=tmp_path_factory.mktemp("slip-decoder"),
+        training=MICRO_TRAINING,
+        text_root=stdlib_root() / "importlib",
+    )
+    train_decoder(source, progress=False, log=lambda _: None)
+    return source
+
+
+@pytest.mark.slow
+def test_minilm_top1_on_the_docstring_task_equals_the_model() -> None:
+    from fedfm.experiments.slip_bench import accuracy_run
+    from fedfm.experiments.slip_models import minilm_task
+
+    task = minilm_task(train_per_class=20, queries_per_class=3)
+    decomposition = decompose(task.model, build_plan(linear_layers(task.model), rank=16))
+    found = accuracy_run(task, decomposition, "double-step", batch=21)
+    assert found["max_rel_output_error"] <= TOLERANCE
+    assert found["top1_agreement"] == 1.0
+
+
+@pytest.mark.slow
+def test_greedy_tokens_of_the_trained_decoder_equal_the_model(micro: DecoderSource) -> None:
+    from fedfm.models.decoder import load_decoder
+
+    model, _ = load_decoder(micro)
+    charlie, david = _parties(model, rank=4)
+    charlie.pads = PadStore()
+    charlie.precompute_pads(david, rows=6 * 16)
+    ids = torch.from_numpy(np.random.default_rng(4).integers(3, 320, (1, 8)))
+    plain, hybrid = ids, ids
+    for _ in range(6):
+        with torch.no_grad():
+            next_plain = model(input_ids=plain).logits[0, -1].argmax()
+        output, _ = charlie.run({"input_ids": hybrid}, david)
+        next_hybrid = output.logits[0, -1].argmax()
+        plain = torch.cat([plain, next_plain.reshape(1, 1)], dim=1)
+        hybrid = torch.cat([hybrid, next_hybrid.reshape(1, 1)], dim=1)
+    assert torch.equal(plain, hybrid)
+
+
+@pytest.mark.slow
+def test_flwr_run_simulation_on_two_supernodes_equals_the_in_process_run(
+    micro: DecoderSource, tmp_path: Path
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "workspace"
+    command = [sys.executable, str(ROOT / "simulations" / "slip" / "run.py"), "--tokens", "8"]
+    command += ["--model", str(micro.path), "--rank", "4", "--workspace", str(workspace)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    assert "flwr run: finished:completed; SuperLink stopped" in output
+    result = json.loads((workspace / "result.json").read_text())
+    assert set(result["placement"]) == {"charlie", "david"}
+    assert len(set(result["placement"].values())) == 2
+    # both runs consumed their own pads: the ledger shows two inferences' rows taken
+    ledger = json.loads((workspace / "owner" / "charlie" / "pads" / "ledger.json").read_text())
+    assert set(ledger["used"].values()) == {16}

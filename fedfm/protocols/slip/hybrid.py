@@ -290,6 +290,7 @@ class Traffic:
     clear_items: int = 0
     max_activation: float = 0.0
     largest_product_bound: float = 0.0
+    ring_ops: int = 0  # Charlie's encode/mask and unmask/decode work, two per element each
 
 
 class Pause(Exception):
@@ -462,6 +463,7 @@ class Session:
         reply = self.david.answer(request)
         self.traffic.david_seconds += time.perf_counter() - start
         self.traffic.bytes_to_charlie += sum(v.nbytes for v in reply.values())
+        self.traffic.ring_ops += 2 * sum(v.size for v in reply.values())
         return self.charlie.unmask(reply, masks)
 
 
@@ -562,6 +564,7 @@ class Charlie:
                 traffic.largest_product_bound, float(np.abs(rows).max()) * self.bounds[name]
             )
             encoded = encode_activations(rows)
+            traffic.ring_ops += 2 * rows.size
             if self.masked(key):
                 _, pad, masks[key] = self.pads.take(key, rows.shape[0])
                 with np.errstate(over="ignore"):

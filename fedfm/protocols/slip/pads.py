@@ -83,6 +83,7 @@ class PadStore:
         pads = self.layers.get(key)
         if pads is None:
             raise ProtocolError(f"no pad for layer {key!r}: Charlie precomputed none")
+        self._sync()
         if pads.used + rows > pads.capacity:
             raise ProtocolError(
                 f"missing pad for layer {key!r}: {rows} rows asked, "
@@ -96,6 +97,7 @@ class PadStore:
         pads = self.layers.get(key)
         if pads is None:
             raise ProtocolError(f"no pad for layer {key!r}: Charlie precomputed none")
+        self._sync()
         if first < pads.used:
             raise ProtocolError(
                 f"pad rows {first}..{first + rows - 1} of layer {key!r} were used before: a "
@@ -117,6 +119,14 @@ class PadStore:
         np.savez(folder / PADS_FILE, **arrays)  # type: ignore[arg-type]
         self.folder = folder
         self._record()
+
+    def _sync(self) -> None:
+        """Take the ledger on disk as the truth: another process (a Flower worker) holding the
+        same store may have consumed rows since this one was loaded."""
+        if self.folder is not None and (self.folder / LEDGER_FILE).exists():
+            used = json.loads((self.folder / LEDGER_FILE).read_text())["used"]
+            for key, pads in self.layers.items():
+                pads.used = max(pads.used, int(used.get(key, 0)))
 
     def _record(self) -> None:
         if self.folder is not None:

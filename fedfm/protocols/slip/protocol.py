@@ -116,7 +116,7 @@ def settings_from_config(config: Mapping[str, ConfigValue] | None) -> SlipSettin
 # -- the model and the parties --------------------------------------------------------------------
 
 _CACHE: dict[Any, Any] = {}
-_CACHE_LOCK = threading.Lock()
+_CACHE_LOCK = threading.RLock()  # a cached value may be made from another
 
 
 def _cached(key: Any, make: Any) -> Any:
