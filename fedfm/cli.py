@@ -11,7 +11,7 @@
 ``fedfm bench-fedrag``  FedRAG vs secret sharing vs plaintext: TTFT, tok/s, traffic, accuracy.
 ``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler (docstrings).
 ``fedfm fedrag-attacks``  FedRAG §6: the compute node's attacks on the scrambler, as curves.
-``fedfm bench-slip``, ``fedfm slip-figures``, ``fedfm slip-finetune``  SLIP: costs, Fig. 12-14.
+``fedfm bench-slip``, ``slip-figures``, ``slip-finetune``, ``slip-attacks``  SLIP (issue 21).
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
@@ -955,15 +955,21 @@ def _add_slip_commands(commands: argparse._SubParsersAction) -> None:  # type: i
         "decomposition configuration",
     )
     finetune.add_argument("--model", default=str(DEFAULTS["model"]), help="decoder")
-    finetune.add_argument("--steps", type=int, default=150, help="fine-tuning steps (150)")
+    finetune.add_argument("--steps", type=int, default=80, help="fine-tuning steps (80)")
     finetune.add_argument(
-        "--public-blocks", type=int, default=512, help="public training blocks (512)"
+        "--public-blocks", type=int, default=256, help="public training blocks (256)"
     )
     finetune.add_argument(
         "--decoder-cache", type=Path, default=Path(str(DEFAULTS["decoder-cache"]))
     )
     finetune.add_argument("--results-dir", type=Path, default=Path("results"))
     finetune.set_defaults(handler=_slip_finetune)
+    attacks = commands.add_parser(
+        "slip-attacks",
+        help="SLIP: David's attacks on W_C (the red team's SLIP suite) with their controls",
+    )
+    attacks.add_argument("--results-dir", type=Path, default=Path("results"))
+    attacks.set_defaults(handler=_slip_attacks)
 
 
 def _bench_slip(args: argparse.Namespace) -> None:
@@ -1006,6 +1012,12 @@ def _slip_finetune(args: argparse.Namespace) -> None:
         results_dir=args.results_dir,
         command=args.command_line,
     )
+
+
+def _slip_attacks(args: argparse.Namespace) -> None:
+    from fedfm.experiments.slip_attacks import run_slip_attacks
+
+    run_slip_attacks(results_dir=args.results_dir, command=args.command_line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

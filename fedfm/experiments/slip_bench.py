@@ -13,8 +13,9 @@ the shared decoder on held-out docstrings) and each configuration (composition x
   mask, unmask, decode: 2 operations per element each); norms and activations are not counted
   on either side;
 * per inference: Charlie's and David's wall time (median of ``repeats``; Charlie's is the run
-  minus David's calls), bytes each way, round trips, pad rows, the pad store's bytes and
-  precomputation time;
+  minus David's calls), bytes each way, round trips, the pad store's bytes, and Charlie's
+  offline setup (``precompute_ms_per_inference``: tracing the model, drawing the pads and
+  computing ``W_D r``, divided by the inferences the store serves);
 * the decomposition's parameter density (Definition 4) and David-only utility: the model with
   ``W_D`` in place of every split weight, as David holds it (Definition 3's ``kappa`` with no
   adversary training: ``risk(model) / risk(W_D-only)``); Fig. 14 measures it after training.
