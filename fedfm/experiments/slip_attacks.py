@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy.special import expit
 
 from fedfm.experiments.red_team import DEFENDED, SUCCEEDS, AttackResult
 from fedfm.experiments.results import write_results
@@ -184,7 +185,7 @@ def chain_fit(composition: str, *, model: Any = None, tokens: int = 80, k: int =
     x = decode(seen[gate_name], ACTIVATION_BITS)
     product = decode(seen[down_name], ACTIVATION_BITS)  # silu(gate) * up, in the clear?
     gate = x @ decode_weights(david.weights[gate_name]).T
-    silu = gate / (1.0 + np.exp(-gate))
+    silu = gate * expit(gate)  # SiLU, without exp overflow
     estimate = np.empty((product.shape[1], x.shape[1]))
     for j in range(product.shape[1]):  # product[:, j] = (silu[:, j] * x) @ w_up[j]
         estimate[j], *_ = np.linalg.lstsq(silu[:, [j]] * x, product[:, j], rcond=None)

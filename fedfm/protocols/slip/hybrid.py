@@ -537,7 +537,7 @@ class Charlie:
         keys = []
         for name, layer in self.layers.items():
             if name in self.values:
-                size = (heads or {}).get(name) or self._head_size(layer)
+                size = (heads or {}).get(name) or self._head_size()
                 keys += [
                     head_key(name, start, start + size)
                     for start in range(0, layer.out_features, size)
@@ -546,7 +546,7 @@ class Charlie:
                 keys.append(name)
         return [key for key in keys if self.masked(key)]
 
-    def _head_size(self, layer: HybridLinear) -> int:
+    def _head_size(self) -> int:
         config: Any = self.model.config
         heads = int(config.num_attention_heads)
         return int(getattr(config, "head_dim", None) or config.hidden_size // heads)
