@@ -11,6 +11,7 @@
 ``fedfm bench-fedrag``  FedRAG vs secret sharing vs plaintext: TTFT, tok/s, traffic, accuracy.
 ``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler (docstrings).
 ``fedfm fedrag-attacks``  FedRAG §6: the compute node's attacks on the scrambler, as curves.
+``fedfm bench-slip``, ``slip-figures``, ``slip-finetune``, ``slip-attacks``  SLIP (issue 21).
 
 Every command that runs plaintext torch takes ``--device auto|cpu|cuda|cuda:N`` (default
 ``auto``: a GPU when torch sees one); CKKS always runs on the CPU.
@@ -939,6 +940,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attacks.add_argument("--results-dir", type=Path, default=Path("results"))
     attacks.set_defaults(handler=_fedrag_attacks)
+    _add_slip_commands(commands)
     return parser
 
 
@@ -984,6 +986,112 @@ def _fedrag_ablation(args: argparse.Namespace) -> None:
         queries=args.queries,
         results_dir=args.results_dir,
     )
+
+
+# -- SLIP (issue 21) -------------------------------------------------------------------------------
+
+
+def _add_slip_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``fedfm bench-slip``, ``fedfm slip-figures``, ``fedfm slip-finetune``."""
+    from fedfm.protocols.slip.defaults import DEFAULTS
+
+    bench = commands.add_parser(
+        "bench-slip",
+        help="SLIP: output error, Charlie's FLOPs share, time, bytes, round trips per "
+        "configuration; David-only utility; one layer under CKKS (results/slip.json)",
+    )
+    bench.add_argument(
+        "--models", default="minilm,llama_fedfm_tiny", help="minilm and/or decoder names"
+    )
+    bench.add_argument("--blocks", default=str(DEFAULTS["blocks"]), help="split blocks")
+    bench.add_argument("--layers", default=str(DEFAULTS["layers"]), help="split layer types")
+    bench.add_argument(
+        "--rank", type=int, default=None, help="k for every model (default: minilm 16, decoder 8)"
+    )
+    bench.add_argument("--repeats", type=int, default=3, help="timing runs (3)")
+    bench.add_argument("--no-he", action="store_true", help="skip the CKKS baseline")
+    bench.add_argument("--decoder-cache", type=Path, default=Path(str(DEFAULTS["decoder-cache"])))
+    bench.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench.set_defaults(handler=_bench_slip)
+    figures = commands.add_parser(
+        "slip-figures",
+        help="SLIP Fig. 12 (perplexity vs singular components removed, per layer type) and "
+        "Fig. 13 (bypassed blocks), with a plot",
+    )
+    figures.add_argument("--model", default=str(DEFAULTS["model"]), help="decoder")
+    figures.add_argument("--blocks", type=int, default=8, help="held-out blocks (8)")
+    figures.add_argument("--decoder-cache", type=Path, default=Path(str(DEFAULTS["decoder-cache"])))
+    figures.add_argument("--results-dir", type=Path, default=Path("results"))
+    figures.set_defaults(handler=_slip_figures)
+    finetune = commands.add_parser(
+        "slip-finetune",
+        help="SLIP Fig. 14: David fine-tunes his W_D-only model on public text, per "
+        "decomposition configuration",
+    )
+    finetune.add_argument("--model", default=str(DEFAULTS["model"]), help="decoder")
+    finetune.add_argument("--steps", type=int, default=80, help="fine-tuning steps (80)")
+    finetune.add_argument(
+        "--public-blocks", type=int, default=256, help="public training blocks (256)"
+    )
+    finetune.add_argument(
+        "--decoder-cache", type=Path, default=Path(str(DEFAULTS["decoder-cache"]))
+    )
+    finetune.add_argument("--results-dir", type=Path, default=Path("results"))
+    finetune.set_defaults(handler=_slip_finetune)
+    attacks = commands.add_parser(
+        "slip-attacks",
+        help="SLIP: David's attacks on W_C (the red team's SLIP suite) with their controls",
+    )
+    attacks.add_argument("--results-dir", type=Path, default=Path("results"))
+    attacks.set_defaults(handler=_slip_attacks)
+
+
+def _bench_slip(args: argparse.Namespace) -> None:
+    from fedfm.experiments.slip_bench import run_bench_slip
+
+    models = tuple(name.strip() for name in args.models.split(",") if name.strip())
+    run_bench_slip(
+        models=models,
+        blocks=args.blocks,
+        layers=args.layers,
+        ranks={name: args.rank for name in models} if args.rank is not None else None,
+        repeats=args.repeats,
+        cache_dir=args.decoder_cache,
+        he=not args.no_he,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
+def _slip_figures(args: argparse.Namespace) -> None:
+    from fedfm.experiments.slip_figures import run_slip_figures
+
+    run_slip_figures(
+        model=args.model,
+        cache_dir=args.decoder_cache,
+        blocks=args.blocks,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
+def _slip_finetune(args: argparse.Namespace) -> None:
+    from fedfm.experiments.slip_figures import run_slip_finetune
+
+    run_slip_finetune(
+        model=args.model,
+        cache_dir=args.decoder_cache,
+        steps=args.steps,
+        public_blocks=args.public_blocks,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
+def _slip_attacks(args: argparse.Namespace) -> None:
+    from fedfm.experiments.slip_attacks import run_slip_attacks
+
+    run_slip_attacks(results_dir=args.results_dir, command=args.command_line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -749,6 +749,7 @@ STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
 # lives in fedfm.experiments). One line per protocol.
 PROTOCOL_SUITES: dict[str, str] = {
     "fedrag": "fedfm.experiments.fedrag_attacks:red_team_suite",
+    "slip": "fedfm.experiments.slip_attacks:red_team_suite",
 }
 
 
