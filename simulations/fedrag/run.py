@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoder-cache", type=Path, default=ROOT / "runs" / "cache")
     parser.add_argument("--query", type=int, default=0, help="which task question (0)")
     parser.add_argument("--workspace", type=Path, help="an empty or new folder to keep")
+    launcher.add_resource_arguments(parser)
     args, flwr_args = parser.parse_known_args(argv)
+    resources = launcher.ClientResources.of_app(APP, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     cache = args.decoder_cache.resolve()
     decoder = str(Path(args.decoder).resolve()) if Path(args.decoder).is_dir() else args.decoder
     inputs, segments = build_inputs(args.stage, decoder, cache, args.query, args.tokens)
@@ -170,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         home = workspace / "flwr-home"
         home.mkdir()
         overrides = ["--run-config", config_pairs(config), *flwr_args]
-        status = launcher.run_app(APP, len(ROLES), home, overrides, node_config=node_config)
+        status = launcher.run_app(
+            APP, len(ROLES), home, overrides, node_config=node_config, resources=resources
+        )
         print(f"[fedfm] flwr run: {status}; SuperLink stopped")
         if status != "finished:completed":
             return 1

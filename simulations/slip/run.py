@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=8, help="k per split layer (8)")
     parser.add_argument("--attention", default="single-step")
     parser.add_argument("--workspace", type=Path, help="an empty or new folder to keep")
+    launcher.add_resource_arguments(parser)
     args, flwr_args = parser.parse_known_args(argv)
+    resources = launcher.ClientResources.of_app(APP, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     model = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model
     config = {
         "model": model,
@@ -166,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         home = workspace / "flwr-home"
         home.mkdir()
         overrides = ["--run-config", config_pairs(run_config), *flwr_args]
-        status = launcher.run_app(APP, len(ROLES), home, overrides, node_config=node_config)
+        status = launcher.run_app(
+            APP, len(ROLES), home, overrides, node_config=node_config, resources=resources
+        )
         print(f"[fedfm] flwr run: {status}; SuperLink stopped")
         if status != "finished:completed":
             return 1
