@@ -55,11 +55,12 @@ class Builder:
 
     fraction: int
     program: Program = field(default_factory=Program)
+    scope: str = ""  # the layer type the next instructions belong to (for per-type costs)
     _count: int = 0
 
     def fresh(self, base: str) -> str:
         self._count += 1
-        return f"{base}#{self._count}"
+        return f"{base}#{self._count}@{self.scope}" if self.scope else f"{base}#{self._count}"
 
     def add(self, instruction: Instruction) -> None:
         self.program.add(instruction)

@@ -26,6 +26,7 @@ fraction; a receiver refuses a message whose tags are not its own (:class:`Proto
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ INDEX = {DEVELOPER: 0, CLOUD: 1}
 TAG_KEYS = ("_request", "_pass", "_fraction")
 
 Observer = Callable[[str, str, np.ndarray], None]  # (role, name, plaintext it reconstructed)
+Profile = Callable[[str, float, int], None]  # (instruction, seconds, bytes it sent)
 
 
 def _no_observer(_role: str, _name: str, _value: np.ndarray) -> None:
@@ -396,9 +398,11 @@ def run_compute_step(
     *,
     request: str,
     forward_pass: int,
+    profile: Profile | None = None,
 ) -> None:
     """One relay round trip of a compute party: read the peer's message, run the scheduled
-    phases, send the peer what they produced (with tags)."""
+    phases, send the peer what they produced (with tags); ``profile`` gets each phase's time
+    and bytes."""
     context = party.context
     inbox: dict[str, np.ndarray] = {}
     for message in context.inbox:
@@ -410,7 +414,11 @@ def run_compute_step(
         instruction = program.instructions[index]
         prefix = f"{instruction.name}:"
         mine = {k[len(prefix) :]: v for k, v in inbox.items() if k.startswith(prefix)}
+        started = time.perf_counter()
         sent = instruction.run(party, phase, mine)
+        if profile is not None:
+            size = sum(np.asarray(v).nbytes for v in sent.values())
+            profile(instruction.name, time.perf_counter() - started, size)
         outgoing |= {f"{prefix}{k}": v for k, v in sent.items()}
     if outgoing:
         context.send(party.peer, outgoing | tags(request, forward_pass, party.fraction))

@@ -46,7 +46,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -157,7 +160,25 @@ class ForwardBuilder:
 
     # -- linear layers --------------------------------------------------------------------------
 
-    def linear(
+    @contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        """Name the layer type of the instructions built inside (per-type costs)."""
+        previous, self.b.scope = self.b.scope, name
+        try:
+            yield
+        finally:
+            self.b.scope = previous
+
+    def linear(self, *args: Any, **kwargs: Any) -> None:
+        keep = self.b.scope in ("embedding", "adaptation")
+        with self.scope(self.b.scope if keep else "linear"):
+            self._linear(*args, **kwargs)
+
+    def norm(self, *args: Any, **kwargs: Any) -> None:
+        with self.scope("layernorm"):
+            self._norm(*args, **kwargs)
+
+    def _linear(
         self,
         base: str,
         out: str,
@@ -195,13 +216,16 @@ class ForwardBuilder:
     # -- the forward pass ----------------------------------------------------------------------
 
     def build(self) -> Program:
-        self.embedding()
+        with self.scope("embedding"):
+            self.embedding()
         for layer in range(self.a.layers):
-            if self.a.kind == "bert":
-                self.bert_layer(layer)
-            else:
-                self.llama_layer(layer)
-        self.head()
+            with self.scope("linear"):
+                if self.a.kind == "bert":
+                    self.bert_layer(layer)
+                else:
+                    self.llama_layer(layer)
+        with self.scope("adaptation"):
+            self.head()
         self.b.program.secrets = [self.input, *self.perms.values()]
         self.b.program.check_names()
         return self.b.program
@@ -270,7 +294,7 @@ class ForwardBuilder:
                 shared_weights=self.shared_weights,
             )
 
-    def norm(
+    def _norm(
         self,
         base: str,
         out: str,
@@ -344,10 +368,18 @@ class ForwardBuilder:
             )
             party.put(f"{p}.v", np.ascontiguousarray(np.repeat(v, groups, axis=0)))
 
-        self.b.local(f"{p}.heads", heads_of)
-        if self.mode == "full-sharing":
-            self.full_sharing_attention(layer)
-            return
+        with self.scope("attention"):
+            self.b.local(f"{p}.heads", heads_of)
+            if self.mode == "full-sharing":
+                self.full_sharing_attention(layer)
+            else:
+                self.permuted_attention(layer)
+
+    def permuted_attention(self, layer: int) -> None:
+        """Π_MatMul for ``Q K^T``, Π_PPP (Alg. 6) for the scores and ``V``, Π_PPSM (Alg. 1),
+        Π_MatMul for ``O_2 V``."""
+        a, n, f, p = self.a, self.n, self.f, f"l{layer}"
+        heads, dh = a.heads, a.head_dim
         perm = self.perms["perm"] if self.mode == "faithful" else self.perms[f"perm.l{layer}"]
 
         def permutation(party: Party) -> np.ndarray:
@@ -399,9 +431,14 @@ class ForwardBuilder:
             )
         )
         scale = 1.0 / math.sqrt(dh)
-        self.b.cloud(
-            f"{p}.softmax", f"{p}.probs", f"{p}.scores", lambda party, s: softmax(s * scale), 2 * f
-        )
+        with self.scope("softmax"):
+            self.b.cloud(
+                f"{p}.softmax",
+                f"{p}.probs",
+                f"{p}.scores",
+                lambda party, s: softmax(s * scale),
+                2 * f,
+            )
         self.b.add(
             self.b.product(
                 f"{p}.av", f"{p}.ctx", f"{p}.probs", f"{p}.pv", (heads, n, n), (heads, n, dh)
@@ -423,23 +460,26 @@ class ForwardBuilder:
                 f"{p}.qk", f"{p}.scores", f"{p}.q", f"{p}.kt", (heads, n, dh), (heads, dh, n)
             )
         )
-        self.b.affine(
-            f"{p}.scores", f"{p}.scores", 1.0 / math.sqrt(dh), -self.calibration.score_shift
-        )
-        approx.exp(self.b, f"{p}.exp", f"{p}.scores", shape)
-        if a.kind == "llama":
-            keep = (causal_mask(n) == 0).astype(np.uint64)
-            self.b.local(
-                f"{p}.mask", lambda party: party.put(f"{p}.exp", party.get(f"{p}.exp") * keep)
+        with self.scope("softmax"):
+            self.b.affine(
+                f"{p}.scores", f"{p}.scores", 1.0 / math.sqrt(dh), -self.calibration.score_shift
             )
-        self.b.local(
-            f"{p}.sum",
-            lambda party: party.put(f"{p}.sum", party.get(f"{p}.exp").sum(axis=-1, keepdims=True)),
-        )
-        approx.reciprocal(self.b, f"{p}.inv", f"{p}.sum", (heads, n, 1))
-        self.b.multiply(
-            f"{p}.normalise", f"{p}.probs", f"{p}.exp", f"{p}.inv", shape, (heads, n, 1)
-        )
+            approx.exp(self.b, f"{p}.exp", f"{p}.scores", shape)
+            if a.kind == "llama":
+                keep = (causal_mask(n) == 0).astype(np.uint64)
+                self.b.local(
+                    f"{p}.mask", lambda party: party.put(f"{p}.exp", party.get(f"{p}.exp") * keep)
+                )
+            self.b.local(
+                f"{p}.sum",
+                lambda party: party.put(
+                    f"{p}.sum", party.get(f"{p}.exp").sum(axis=-1, keepdims=True)
+                ),
+            )
+            approx.reciprocal(self.b, f"{p}.inv", f"{p}.sum", (heads, n, 1))
+            self.b.multiply(
+                f"{p}.normalise", f"{p}.probs", f"{p}.exp", f"{p}.inv", shape, (heads, n, 1)
+            )
         self.b.add(
             self.b.product(f"{p}.av", f"{p}.ctx", f"{p}.probs", f"{p}.v", shape, (heads, n, dh))
         )
@@ -473,20 +513,21 @@ class ForwardBuilder:
         )
         self.linear(f"{p}.up", f"{p}.up", "h", f"{p}.up.w", n, bias=f"{p}.up.b", truncate=full)
         shape = (n, a.intermediate)
-        if full:
-            coefficients = approx.chebyshev_power_coefficients(
-                gelu, self.calibration.activation_bound
-            )
-            approx.polynomial(
-                self.b,
-                f"{p}.act",
-                f"{p}.up",
-                shape,
-                coefficients,
-                self.calibration.activation_bound,
-            )
-        else:
-            self.b.cloud(f"{p}.gelu", f"{p}.act", f"{p}.up", lambda party, x: gelu(x), 2 * f)
+        with self.scope("activation"):
+            if full:
+                coefficients = approx.chebyshev_power_coefficients(
+                    gelu, self.calibration.activation_bound
+                )
+                approx.polynomial(
+                    self.b,
+                    f"{p}.act",
+                    f"{p}.up",
+                    shape,
+                    coefficients,
+                    self.calibration.activation_bound,
+                )
+            else:
+                self.b.cloud(f"{p}.gelu", f"{p}.act", f"{p}.up", lambda party, x: gelu(x), 2 * f)
         self.linear(
             f"{p}.down", f"{p}.res", f"{p}.act", f"{p}.down.w", n, bias=f"{p}.down.b", truncate=full
         )
@@ -540,18 +581,19 @@ class ForwardBuilder:
                 f"{p}.gate", f"{p}.gate", f"{p}.x", f"{p}.gate.w", n, bias=None, truncate=True
             )
             self.linear(f"{p}.upp", f"{p}.up", f"{p}.x", f"{p}.up.w", n, bias=None, truncate=True)
-            coefficients = approx.chebyshev_power_coefficients(
-                silu, self.calibration.activation_bound
-            )
-            approx.polynomial(
-                self.b,
-                f"{p}.silu",
-                f"{p}.gate",
-                (n, k),
-                coefficients,
-                self.calibration.activation_bound,
-            )
-            self.b.multiply(f"{p}.swiglu", f"{p}.act", f"{p}.silu", f"{p}.up", (n, k))
+            with self.scope("activation"):
+                coefficients = approx.chebyshev_power_coefficients(
+                    silu, self.calibration.activation_bound
+                )
+                approx.polynomial(
+                    self.b,
+                    f"{p}.silu",
+                    f"{p}.gate",
+                    (n, k),
+                    coefficients,
+                    self.calibration.activation_bound,
+                )
+                self.b.multiply(f"{p}.swiglu", f"{p}.act", f"{p}.silu", f"{p}.up", (n, k))
         else:
 
             def gate_up(party: Party) -> None:
@@ -561,13 +603,14 @@ class ForwardBuilder:
                 party.put(f"{p}.gu", np.stack([gate, up]))
 
             self.b.local(f"{p}.gate_up", gate_up)
-            self.b.cloud(
-                f"{p}.swiglu",
-                f"{p}.act",
-                f"{p}.gu",
-                lambda party, gu: silu(gu[0]) * gu[1],
-                2 * self.f,
-            )
+            with self.scope("activation"):
+                self.b.cloud(
+                    f"{p}.swiglu",
+                    f"{p}.act",
+                    f"{p}.gu",
+                    lambda party, gu: silu(gu[0]) * gu[1],
+                    2 * self.f,
+                )
         self.linear(
             f"{p}.down", f"{p}.down", f"{p}.act", f"{p}.down.w", n, bias=None, truncate=True
         )

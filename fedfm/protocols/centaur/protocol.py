@@ -39,6 +39,7 @@ from fedfm.protocols.centaur.engine import (
     DEVELOPER,
     Observer,
     Party,
+    Profile,
     Program,
     _no_observer,
     check_tags,
@@ -122,6 +123,7 @@ class CentaurRun:
 
     settings: CentaurSettings
     observer: Observer = _no_observer
+    profile: Profile | None = None  # per-instruction compute time and bytes (benchmarks)
     _programs: dict[int, Program] = field(default_factory=dict)
     _models: dict[str, Provisioned] = field(default_factory=dict)
     _encoded: dict[tuple[str, str, int], np.ndarray] = field(default_factory=dict)
@@ -300,7 +302,9 @@ class CentaurRun:
         total = program.rounds()
         if total != self.rounds():
             raise InvariantError(f"a program of length {n} has {total} rounds, not {self.rounds()}")
-        run_compute_step(program, step, party, request=s.request, forward_pass=forward_pass)
+        run_compute_step(
+            program, step, party, request=s.request, forward_pass=forward_pass, profile=self.profile
+        )
         if step == total - 1:
             for name in [k for k in context.state if k.startswith(("v.", "d."))]:
                 del context.state[name]
