@@ -704,6 +704,7 @@ STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
 # lives in fedfm.experiments). One line per protocol.
 PROTOCOL_SUITES: dict[str, str] = {
     "fedrag": "fedfm.experiments.fedrag_attacks:red_team_suite",
+    "centaur": "fedfm.experiments.centaur_attacks:red_team_suite",
 }
 
 
