@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfm.errors import InvariantError
 from fedfm.experiments.results import write_results
 from fedfm.protocols.centaur.local import run_locally
 from fedfm.protocols.centaur.model import Architecture, Trace, extract, forward, layer_norm
@@ -282,7 +283,8 @@ def encoder_attacks(
     all_views = {}
     for mode in ("faithful", "hardened"):
         plan = prepare(architecture, weights, mode=mode, calibration=calibration)
-        assert plan.permutations is not None
+        if plan.permutations is None:
+            raise InvariantError("a permuted deployment keeps its permutations")
         views = [cloud_views(plan, ids) for ids in victims]
         all_views[mode] = views
         permuted = plan.cloud.weights

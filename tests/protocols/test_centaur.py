@@ -8,6 +8,7 @@ trained for a few steps, as FedRAG's tests do.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -368,3 +369,49 @@ def test_unknown_or_missing_settings_are_config_errors() -> None:
 def test_calibration_round_trips() -> None:
     calibration = Calibration(3.0, 0.5, 2.0, 6.0, 4.0)
     assert Calibration.from_json(calibration.to_json()) == calibration
+
+
+# -- the Flower app ------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_app_toml_matches_the_defaults() -> None:
+    import tomllib
+
+    from fedfm.protocols.centaur.defaults import DEFAULTS
+    from fedfm.runtime.settings import RUN_CONFIG_DEFAULTS
+
+    app = tomllib.loads((ROOT / "simulations" / "centaur" / "pyproject.toml").read_text())
+    # a round trip may include a node's first model load: the app allows 600 s, not 60
+    assert app["tool"]["flwr"]["app"]["config"] == {
+        **RUN_CONFIG_DEFAULTS,
+        "timeout": 600.0,
+        **DEFAULTS,
+    }
+    assert app["tool"]["flwr"]["app"]["components"] == {
+        "serverapp": "fedfm_strategies.centaur:app",
+        "clientapp": "fedfm_clients.centaur:app",
+    }
+
+
+@pytest.mark.slow
+def test_flwr_run_simulation_on_three_supernodes_equals_the_in_process_run(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "workspace"
+    command = [sys.executable, str(ROOT / "simulations" / "centaur" / "run.py")]
+    command += ["--model", "tiny-bert", "--workspace", str(workspace)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    assert "flwr run: finished:completed; SuperLink stopped" in output
+    assert "identical to the in-process run" in output
+    result = json.loads((workspace / "result.json").read_text())
+    assert set(result["placement"]) == {"developer", "cloud", "client"}
+    assert len(set(result["placement"].values())) == 3
+    # the relay saw only the sealed report: no logits, no shares
+    assert set(result["outputs"]) == {"client"}
+    assert set(result["outputs"]["client"]) == {"report"}
