@@ -16,6 +16,9 @@ observer records). It is after the client's input tokens and the developer's wei
   shuffled (no correspondence).
 * :func:`sorted_row_matching` — sorting a row removes any column permutation: sorted rows of the
   view against sorted rows of the *public* embeddings read the tokens without any weight.
+* :func:`causal_mask_order` — a decoder's causal mask is added before Π_PPP, so the cloud's
+  ``O_1 π_1`` shows the masked entries: counting them per column reads π_1 exactly (then
+  ``O_1 = Q K^T``, the seed's 100 %-recovery target, is in the clear), fresh π_1 or not.
 * :func:`vocabulary_matching` (Pal et al., ICML 2025) — P1 runs Θ' (a working model in the
   permuted basis) on every candidate next token after the tokens recovered so far and keeps the
   one whose layer-``L`` hidden state equals the view; exact for a causal decoder, at any depth.
@@ -151,6 +154,14 @@ def permutation_recovery(
     correlation = b.T @ a / len(a)  # public column x permuted column
     guess = np.argmax(correlation, axis=0)  # for each permuted column j: its public column
     return float(np.mean(guess == truth))
+
+
+def causal_mask_order(view: np.ndarray) -> np.ndarray:
+    """π_1 of a decoder's attention, read off the cloud's permuted scores ``O_1 π_1``: key
+    position ``c`` is masked (the additive ``-10^4``) for the ``c`` queries before it, so the
+    number of masked entries in an observed column is its original position."""
+    scores = view[0] if view.ndim == 3 else view
+    return (scores < -1e3).sum(axis=0)
 
 
 # -- vocabulary matching on a decoder -----------------------------------------------------------
@@ -373,7 +384,10 @@ def decoder_attacks(
         control = _accuracy(
             vocabulary_matching(permuted_model, random_view, 1, architecture.vocab), prompts[0]
         )
+        orders = [causal_mask_order(v["l0.softmax"]) for v in views]
+        mask_reads_pi = float(np.mean([sorted(o) == list(range(len(o))) for o in orders]))
         out[mode] = {
+            "causal_mask_reads_pi1_fraction": mask_reads_pi,
             "first_residual_view": first,
             "row_matching_token_accuracy": float(np.mean(row)),
             "vocabulary_matching_token_accuracy": by_layer,
@@ -446,6 +460,16 @@ def run_centaur_attacks(
                 },
             ]
     for mode, entry in decoder_results.items():
+        rows.append(
+            {
+                "model": "llama_fedfm_tiny",
+                "mode": mode,
+                "attack": "causal mask reads pi_1 (then O_1 = QK^T in the clear)",
+                "value": entry["causal_mask_reads_pi1_fraction"],
+                "control": None,
+                "metric": "fraction of prompts, every layer's pi_1 exact",
+            }
+        )
         rows.append(
             {
                 "model": "llama_fedfm_tiny",
@@ -613,6 +637,21 @@ def red_team_suite() -> list[Any]:
         control = _accuracy(
             vocabulary_matching(permuted_model, random_view, layer, d_architecture.vocab), prompt
         )
+        orders = causal_mask_order(view["l0.softmax"])
+    results.append(
+        AttackResult(
+            "centaur_causal_mask_reveals_pi1",
+            "π_1, then O_1 = Q K^T",
+            "cloud (P1)",
+            SUCCEEDS if sorted(orders) == list(range(len(prompt))) else DEFENDED,
+            "1 if the masked entries of O_1 π_1 give π_1 exactly (hardened: fresh π_1 per head "
+            "and layer)",
+            float(sorted(orders) == list(range(len(prompt)))),
+            float(set(causal_mask_order(np.zeros((len(prompt), len(prompt))))) != {0}),
+            f"{TESTS}::test_the_causal_mask_reveals_the_attention_permutation",
+            "control: unmasked (encoder) scores carry no order",
+        )
+    )
     results.append(
         AttackResult(
             "centaur_vocabulary_matching",
@@ -671,6 +710,7 @@ def _micro_decoder(folder: Path) -> Any:
 
 
 __all__ = [
+    "causal_mask_order",
     "cloud_views",
     "learned_inversion",
     "permutation_recovery",

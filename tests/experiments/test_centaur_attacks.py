@@ -17,6 +17,7 @@ import torch
 
 from fedfm.data.stdlib_text import stdlib_root
 from fedfm.experiments.centaur_attacks import (
+    causal_mask_order,
     cloud_views,
     learned_inversion,
     llama_from_weights,
@@ -35,7 +36,7 @@ from fedfm.experiments.centaur_bench import (
     two_quad_softmax,
 )
 from fedfm.models.decoder import DecoderSource, DecoderTraining, load_decoder, train_decoder
-from fedfm.protocols.centaur.model import Architecture, extract, forward
+from fedfm.protocols.centaur.model import Architecture, Trace, extract, forward
 from fedfm.protocols.centaur.provisioning import Deployment, calibrate, prepare
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -158,6 +159,27 @@ def test_vocabulary_matching_recovers_a_decoder_prompt(micro: Any) -> None:
     noise = np.random.default_rng(2).normal(0, 1, view[f"l{layer}.norm1"].shape)
     control = vocabulary_matching(permuted_model, noise, layer, architecture.vocab)
     assert np.mean(control == prompt) < 0.5
+
+
+def test_the_causal_mask_reveals_the_attention_permutation(micro: Any) -> None:
+    architecture, weights = extract(micro)
+    prompt = np.random.default_rng(4).integers(3, architecture.vocab, 9)
+    plan = _plan(architecture, weights, "hardened")  # fresh π_1 per head and layer
+    views = cloud_views(plan, prompt, **{"max-new-tokens": 1})
+    for layer in range(architecture.layers):
+        order = causal_mask_order(views[f"l{layer}.softmax"])
+        assert sorted(order) == list(range(len(prompt)))  # a permutation, read exactly
+    plain = Trace()
+    forward(architecture, weights, prompt, trace=plain)
+    order = causal_mask_order(views["l0.softmax"])
+    seen, truth = (
+        views["l0.softmax"][0],
+        plain.values["l0.scores"][0] * np.sqrt(architecture.head_dim),
+    )
+    keep = seen > -1e3  # the masked entries are the mask, scaled differently
+    assert np.allclose(seen[keep], truth[:, order][keep], atol=1e-2)  # Q K^T un-permuted
+    unmasked = np.zeros((len(prompt), len(prompt)))  # control: an encoder's scores (no mask)
+    assert set(causal_mask_order(unmasked)) == {0}
 
 
 def test_learned_inversion_recovers_plain_rows_not_permuted_ones(encoder: Any) -> None:

@@ -263,6 +263,7 @@ class ForwardBuilder:
 
             def action(party: Party) -> None:
                 h = ring_matmul(lookup(party), party.encoded("embed.word"))  # one-hot: scale 0
+                party.context.state.pop(f"d.{source.name}", None)  # used once: drop it
                 if a.kind == "bert":
                     extra = party.weight("embed.position")[:n] + party.weight("embed.type")
                     h = h + party.constant(extra, self.f)
