@@ -9,6 +9,7 @@ few steps, both built in the test (no download).
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -239,3 +240,33 @@ def test_mpcformer_quadratics_are_the_stated_functions() -> None:
     architecture, weights = extract(_bert(2))
     exact = forward(architecture, weights, _ids(architecture, 1))
     assert exact.shape == (3,)
+
+
+def test_the_centaur_suite_is_registered() -> None:
+    from fedfm.experiments import red_team
+
+    assert red_team.PROTOCOL_SUITES["centaur"] == (
+        "fedfm.experiments.centaur_attacks:red_team_suite"
+    )
+    assert callable(red_team.protocol_suite("centaur"))
+
+
+@pytest.mark.slow
+def test_the_red_team_suite_names_real_tests_and_finite_figures() -> None:
+    from fedfm.experiments.centaur_attacks import red_team_suite
+    from fedfm.experiments.red_team import SUCCEEDS
+
+    results = red_team_suite()
+    source = Path(__file__).read_text()
+    assert {r.name for r in results} >= {
+        "centaur_embedding_row_matching",
+        "centaur_permutation_from_public_checkpoint",
+        "centaur_vocabulary_matching",
+        "centaur_causal_mask_reveals_pi1",
+    }
+    for result in results:
+        assert f"def {result.test.split('::')[1]}(" in source
+        assert np.isfinite([result.value, result.control]).all()
+    by_name = {r.name: r for r in results}
+    assert by_name["centaur_permutation_from_public_checkpoint"].outcome == SUCCEEDS
+    assert by_name["centaur_vocabulary_matching"].outcome == SUCCEEDS
