@@ -367,7 +367,7 @@ def test_unknown_or_missing_settings_are_config_errors() -> None:
 
 
 def test_calibration_round_trips() -> None:
-    calibration = Calibration(3.0, 0.5, 2.0, 6.0, 4.0)
+    calibration = Calibration(9.0, 0.5, 2.0, 6.0, 4.0)
     assert Calibration.from_json(calibration.to_json()) == calibration
 
 

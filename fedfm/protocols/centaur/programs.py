@@ -70,6 +70,8 @@ from fedfm.protocols.centaur.model import (
 from fedfm.protocols.sharing import encode, ring_matmul
 
 MODES = ("faithful", "hardened", "full-sharing")
+EXP_CEILING = 9.0  # the baseline's exp inputs stay below this (e^9 = 8103 < 2^15.5)
+MAX_MARGIN = 8.0  # e^-8 = 3.4e-4: still 22 units of 2^-16
 INPUT = "input"
 
 
@@ -78,7 +80,7 @@ class Calibration:
     """Public constants the MPC approximations need, measured by the developer on public text
     with the plaintext model (part of the provisioned file: both compute parties read them)."""
 
-    score_shift: float = 8.0  # subtracted from attention scores before exp (baseline)
+    score_spread: float = 8.0  # largest (max - mean) of a row of attention scores / sqrt(d_h)
     embed_variance: float = 1.0  # typical variance at the embedding / first norm
     layer_variance: float = 1.0  # typical variance at the layers' norms (baseline)
     activation_bound: float = 8.0  # GeLU / SiLU polynomial domain [-bound, bound]
@@ -461,23 +463,49 @@ class ForwardBuilder:
                 f"{p}.qk", f"{p}.scores", f"{p}.q", f"{p}.kt", (heads, n, dh), (heads, dh, n)
             )
         )
+        # Softmax without comparisons: subtract each row's mean plus a public margin m (local,
+        # exact). exp(x - mean - m) stays below e^EXP_CEILING (a fixed-point product of two
+        # values must stay below 2^63: values below about 2^15.5 at 16 bits) on the calibration
+        # text, and by Jensen the mean of the exponentials is at least e^-m, so Newton's
+        # reciprocal gets enough iterations to climb from CrypTen's initial guess to e^m.
+        # The 1/count factors are public per row.
+        keep = (causal_mask(n) == 0) if a.kind == "llama" else np.ones((n, n), dtype=bool)
+        counts = keep.sum(axis=1, keepdims=True).astype(np.float64)
+        f = self.f
+        mean_of = encode(keep / counts, f)  # row-wise averaging weights (public)
+        inverse_count = encode(1.0 / counts, f)
         with self.scope("softmax"):
-            self.b.affine(
-                f"{p}.scores", f"{p}.scores", 1.0 / math.sqrt(dh), -self.calibration.score_shift
-            )
+            self.b.scale(f"{p}.scores", f"{p}.scores", 1.0 / math.sqrt(dh))
+            # the margin is capped where the mean of the exponentials would fall below the
+            # fixed point's resolution: rows spread wider than EXP_CEILING + MAX_MARGIN overflow
+            # (CrypTen subtracts a securely computed maximum instead, at more rounds)
+            margin = min(MAX_MARGIN, max(0.0, self.calibration.score_spread - EXP_CEILING))
+            iterations = max(approx.RECIPROCAL_ITERATIONS, math.ceil(1.45 * margin) + 4)
+
+            def centre(party: Party) -> None:
+                scores = party.get(f"{p}.scores")
+                mean = party.truncate((scores * mean_of).sum(axis=-1, keepdims=True))
+                party.put(f"{p}.scores", scores - mean - party.constant(margin, f))
+
+            self.b.local(f"{p}.centre", centre)
             approx.exp(self.b, f"{p}.exp", f"{p}.scores", shape)
-            if a.kind == "llama":
-                keep = (causal_mask(n) == 0).astype(np.uint64)
-                self.b.local(
-                    f"{p}.mask", lambda party: party.put(f"{p}.exp", party.get(f"{p}.exp") * keep)
+            mask = keep.astype(np.uint64)
+
+            def average(party: Party) -> None:
+                exp = party.get(f"{p}.exp") * mask
+                party.put(f"{p}.exp", exp)
+                party.put(
+                    f"{p}.sum", party.truncate(exp.sum(axis=-1, keepdims=True) * inverse_count)
                 )
+
+            self.b.local(f"{p}.average", average)
+            approx.reciprocal(self.b, f"{p}.inv", f"{p}.sum", (heads, n, 1), iterations)
             self.b.local(
-                f"{p}.sum",
+                f"{p}.per_count",
                 lambda party: party.put(
-                    f"{p}.sum", party.get(f"{p}.exp").sum(axis=-1, keepdims=True)
+                    f"{p}.inv", party.truncate(party.get(f"{p}.inv") * inverse_count)
                 ),
             )
-            approx.reciprocal(self.b, f"{p}.inv", f"{p}.sum", (heads, n, 1))
             self.b.multiply(
                 f"{p}.normalise", f"{p}.probs", f"{p}.exp", f"{p}.inv", shape, (heads, n, 1)
             )

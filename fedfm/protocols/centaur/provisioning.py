@@ -170,14 +170,17 @@ def calibrate(
 ) -> Calibration:
     """Public constants for the MPC approximations, from plaintext runs on public text (the
     developer's own model, so nothing private leaves it beyond these five numbers)."""
-    scores, embed, layer, activation = [0.0], [], [], [0.0]
+    embed, layer, activation, spread = [], [], [0.0], [0.0]
     for ids in sequences:
         trace = Trace()
         forward(architecture, weights, ids, trace=trace)
         for name, value in trace.values.items():
             if name.endswith(".scores"):
-                finite = value[value > -1e3] / np.sqrt(architecture.head_dim)
-                scores.append(float(finite.max()))
+                scaled = value  # the trace's scores are already scaled by 1/sqrt(d_h)
+                allowed = scaled > -1e3  # the causal mask's entries are not scores
+                mean = np.where(allowed, scaled, 0).sum(-1) / allowed.sum(-1)
+                top = np.where(allowed, scaled, -np.inf).max(-1)
+                spread.append(float((top - mean).max()))
             elif name == "embed.input" or name == "l0.norm1.input":
                 embed.append(float(_variance(value, architecture.kind)))
             elif name.endswith((".ln1.input", ".ln2.input", ".norm2.input", "norm.input")) or (
@@ -189,7 +192,7 @@ def calibrate(
     if not embed:
         raise ConfigError("calibration needs at least one public sequence")
     return Calibration(
-        score_shift=float(np.ceil(max(scores))),
+        score_spread=float(np.ceil(max(spread))),
         embed_variance=float(np.median(embed)),
         layer_variance=float(np.median(layer)) if layer else 1.0,
         activation_bound=float(np.ceil(max(activation) * 1.1)),
