@@ -148,6 +148,7 @@ def micro(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> A
     return load_decoder(source)[0]
 
 
+@pytest.mark.slow
 def test_vocabulary_matching_recovers_a_decoder_prompt(micro: Any) -> None:
     architecture, weights = extract(micro)
     prompt = np.random.default_rng(1).integers(3, architecture.vocab, 6)
@@ -162,6 +163,7 @@ def test_vocabulary_matching_recovers_a_decoder_prompt(micro: Any) -> None:
     assert np.mean(control == prompt) < 0.5
 
 
+@pytest.mark.slow
 def test_the_causal_mask_reveals_the_attention_permutation(micro: Any) -> None:
     architecture, weights = extract(micro)
     prompt = np.random.default_rng(4).integers(3, architecture.vocab, 9)
