@@ -686,27 +686,10 @@ def _simulated_fine_tune(public: Any) -> tuple[Architecture, dict[str, np.ndarra
 
 
 def _micro_decoder(folder: Path) -> Any:
-    from dataclasses import replace
+    from fedfm.experiments.decoder import quick_micro_decoder
+    from fedfm.models.decoder import load_decoder
 
-    from fedfm.data.stdlib_text import stdlib_root
-    from fedfm.models.decoder import DecoderSource, DecoderTraining, load_decoder, train_decoder
-
-    source = DecoderSource(
-        name="llama_fedfm_micro",
-        cache_dir=folder,
-        training=replace(
-            DecoderTraining(),
-            steps=12,
-            batch_size=8,
-            lr=1e-2,
-            warmup_steps=2,
-            eval_every=6,
-            checkpoint_every=6,
-        ),
-        text_root=stdlib_root() / "importlib",
-    )
-    train_decoder(source, progress=False, log=lambda _: None)
-    return load_decoder(source)[0]
+    return load_decoder(quick_micro_decoder(folder))[0]
 
 
 __all__ = [
