@@ -48,6 +48,7 @@ from fedfm.protocols.centaur.model import Architecture, Trace, extract, forward,
 from fedfm.protocols.centaur.provisioning import Deployment, calibrate, prepare
 
 TESTS = "tests/experiments/test_centaur_attacks.py"
+MATCHED = 8  # positions the command's vocabulary matching recovers per prompt
 
 
 def rouge_l(reference: Sequence[int], candidate: Sequence[int]) -> float:
@@ -171,11 +172,11 @@ def llama_from_weights(template: Any, weights: Mapping[str, np.ndarray]) -> Any:
     """A copy of the Hugging Face Llama ``template`` carrying ``weights`` (e.g. Θ')."""
     import copy
 
-    model = copy.deepcopy(template).double().eval()
+    model = copy.deepcopy(template).float().eval()
     inner = model.model
 
     def put(parameter: torch.nn.Parameter, value: np.ndarray) -> None:
-        parameter.data = torch.as_tensor(np.ascontiguousarray(value))
+        parameter.data = torch.as_tensor(np.ascontiguousarray(value), dtype=torch.float32)
 
     put(inner.embed_tokens.weight, weights["embed.word"])
     for index, layer in enumerate(inner.layers):
@@ -188,7 +189,7 @@ def llama_from_weights(template: Any, weights: Mapping[str, np.ndarray]) -> Any:
             put(getattr(layer.mlp, f"{name}_proj").weight, weights[f"{p}.{name}.w"].T)
     put(inner.norm.weight, weights["norm.g"])
     model.lm_head.weight = torch.nn.Parameter(
-        torch.as_tensor(np.ascontiguousarray(weights["head.w"].T))
+        torch.as_tensor(np.ascontiguousarray(weights["head.w"].T), dtype=torch.float32)
     )
     return model
 
@@ -371,18 +372,25 @@ def decoder_attacks(
             )
             for v, ids in zip(views, prompts, strict=True)
         ]
+        # vocabulary matching costs vocab x position forward passes: the first MATCHED
+        # positions of two prompts, at the second layer and the last one
         by_layer = {}
-        for layer in range(1, architecture.layers):
+        for layer in sorted({1, architecture.layers - 1}):
             guesses = [
-                vocabulary_matching(permuted_model, v[f"l{layer}.norm1"], layer, architecture.vocab)
-                for v in views
+                vocabulary_matching(
+                    permuted_model, v[f"l{layer}.norm1"][:MATCHED], layer, architecture.vocab
+                )
+                for v in views[:2]
             ]
             by_layer[f"layer_{layer}"] = float(
-                np.mean([_accuracy(g, ids) for g, ids in zip(guesses, prompts, strict=True)])
+                np.mean(
+                    [_accuracy(g, ids[:MATCHED]) for g, ids in zip(guesses, prompts, strict=False)]
+                )
             )
-        random_view = np.random.default_rng(2).normal(0, 1, views[0]["l1.norm1"].shape)
+        random_view = np.random.default_rng(2).normal(0, 1, views[0]["l1.norm1"][:MATCHED].shape)
         control = _accuracy(
-            vocabulary_matching(permuted_model, random_view, 1, architecture.vocab), prompts[0]
+            vocabulary_matching(permuted_model, random_view, 1, architecture.vocab),
+            prompts[0][:MATCHED],
         )
         orders = [causal_mask_order(v["l0.softmax"]) for v in views]
         mask_reads_pi = float(np.mean([sorted(o) == list(range(len(o))) for o in orders]))
