@@ -415,3 +415,16 @@ def test_flwr_run_simulation_on_three_supernodes_equals_the_in_process_run(tmp_p
     # the relay saw only the sealed report: no logits, no shares
     assert set(result["outputs"]) == {"client"}
     assert set(result["outputs"]["client"]) == {"report"}
+
+
+def test_the_round_count_does_not_depend_on_the_calibration(bert: Any) -> None:
+    """Every party, the relay included, counts the steps from public settings alone."""
+    from fedfm.protocols.centaur.programs import build_forward
+
+    architecture, _, _ = bert
+    for mode in ("faithful", "hardened", "full-sharing"):
+        rounds = {
+            build_forward(architecture, 7, mode=mode, fraction=16, calibration=c).rounds()
+            for c in (Calibration(), Calibration(40.0, 0.01, 50.0, 30.0, 2.0))
+        }
+        assert len(rounds) == 1

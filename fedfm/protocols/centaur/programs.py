@@ -480,7 +480,9 @@ class ForwardBuilder:
             # fixed point's resolution: rows spread wider than EXP_CEILING + MAX_MARGIN overflow
             # (CrypTen subtracts a securely computed maximum instead, at more rounds)
             margin = min(MAX_MARGIN, max(0.0, self.calibration.score_spread - EXP_CEILING))
-            iterations = max(approx.RECIPROCAL_ITERATIONS, math.ceil(1.45 * margin) + 4)
+            # fixed by the cap, not by the calibration: the number of rounds is public and
+            # every party (the relay too) must count the same steps
+            iterations = max(approx.RECIPROCAL_ITERATIONS, math.ceil(1.45 * MAX_MARGIN) + 4)
 
             def centre(party: Party) -> None:
                 scores = party.get(f"{p}.scores")
