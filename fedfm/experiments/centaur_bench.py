@@ -209,11 +209,15 @@ def run_centaur_benchmark(
     encoder: dict[str, Any] = {}
     diffs: list[float] = []
     same_predictions = True
-    for mode in MODES:
-        runs = []
-        for repeat in range(repeats):
+    # modes interleaved within each repeat, so load from other jobs on this shared machine
+    # falls on every mode alike
+    encoder_runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for repeat in range(repeats):
+        for mode in MODES:
             log(f"[fedfm] bench-centaur: encoder {mode} run {repeat + 1}/{repeats}")
-            runs.append(timed_inference(plans[mode], victims[0]))
+            encoder_runs[mode].append(timed_inference(plans[mode], victims[0]))
+    for mode in MODES:
+        runs = encoder_runs[mode]
         row = _summary(runs)
         logits = [runs[0]["report"]["logits"][0]]
         if mode != "full-sharing":
@@ -248,12 +252,17 @@ def run_centaur_benchmark(
     }
     decoder_rows: dict[str, Any] = {}
     tokens_identical = True
+    decoder_runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for repeat in range(repeats):
+        for mode in MODES:
+            generate = 1 if mode == "full-sharing" else tokens
+            log(f"[fedfm] bench-centaur: decoder {mode} run {repeat + 1}/{repeats}")
+            decoder_runs[mode].append(
+                timed_inference(d_plans[mode], prompts[0], **{"max-new-tokens": generate})
+            )
     for mode in MODES:
         generate = 1 if mode == "full-sharing" else tokens
-        runs = []
-        for repeat in range(repeats):
-            log(f"[fedfm] bench-centaur: decoder {mode} run {repeat + 1}/{repeats}")
-            runs.append(timed_inference(d_plans[mode], prompts[0], **{"max-new-tokens": generate}))
+        runs = decoder_runs[mode]
         row = _summary(runs) | {"generated_tokens": generate}
         expected_tokens, expected_logits = greedy(d_architecture, d_weights, prompts[0], generate)
         report = runs[0]["report"]
@@ -327,8 +336,9 @@ def run_centaur_benchmark(
         description=(
             "One inference through the fedfm runtime in process, network time emulated per preset "
             "(lan 3 Gbps / 0.8 ms, wan 100 Mbps / 80 ms; compute measured on this shared 2-core "
-            f"machine), medians of {repeats} runs. Encoder: fine-tuned MiniLM, {ENCODER_TOKENS} "
-            f"tokens. Decoder: llama_fedfm_tiny, {PROMPT_TOKENS}-token prompt; CENTAUR rows "
+            f"machine, modes interleaved), medians of {repeats} runs. Encoder: fine-tuned "
+            f"MiniLM, {ENCODER_TOKENS} tokens. Decoder: llama_fedfm_tiny, {PROMPT_TOKENS}-token "
+            "prompt; CENTAUR rows "
             f"generate {tokens} tokens (one forward pass each, no KV cache), the baseline one. "
             f"speedup_vs_full_secret_sharing (encoder, min over presets) = "
             f"{summary['speedup_vs_full_secret_sharing']:.2f}; CENTAUR logits vs plaintext max "
