@@ -12,9 +12,13 @@
 ``fedfm fedrag-ablation``  FedRAG's Table 3: baseline / +distributed / +scrambler (docstrings).
 ``fedfm fedrag-attacks``  FedRAG §6: the compute node's attacks on the scrambler, as curves.
 ``fedfm bench-slip``, ``slip-figures``, ``slip-finetune``, ``slip-attacks``  SLIP (issue 21).
+``fedfm bench-centaur``  CENTAUR vs full secret sharing: time, bytes, rounds (lan, wan), logits.
+``fedfm centaur-accuracy``  CENTAUR's Table 2: plaintext, CENTAUR, MPCFormer quadratics.
+``fedfm centaur-attacks``  CENTAUR's Table 1 and the cloud's attacks, faithful and hardened.
 
-Every command that runs plaintext torch takes ``--device auto|cpu|cuda|cuda:N`` (default
-``auto``: a GPU when torch sees one); CKKS always runs on the CPU.
+The commands that pretrain, distill or adapt (``train``, ``run`` and their kin), HELIX's and
+``train-llm`` take ``--device auto|cpu|cuda|cuda:N`` (default ``auto``: a GPU when torch sees one);
+CKKS always runs on the CPU.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
@@ -941,6 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
     attacks.add_argument("--results-dir", type=Path, default=Path("results"))
     attacks.set_defaults(handler=_fedrag_attacks)
     _add_slip_commands(commands)
+    _add_centaur_commands(commands)
     return parser
 
 
@@ -1092,6 +1097,69 @@ def _slip_attacks(args: argparse.Namespace) -> None:
     from fedfm.experiments.slip_attacks import run_slip_attacks
 
     run_slip_attacks(results_dir=args.results_dir, command=args.command_line)
+
+
+# -- CENTAUR (issue 22) ----------------------------------------------------------------------------
+
+
+def _add_centaur_commands(commands: argparse._SubParsersAction) -> None:
+    """CENTAUR's commands (issue 22)."""
+
+    def common(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--cache-dir", type=Path, default=Path("runs/cache"))
+        parser.add_argument("--results-dir", type=Path, default=Path("results"))
+
+    bench = commands.add_parser(
+        "bench-centaur",
+        help="CENTAUR (faithful, hardened) vs full secret sharing on the runtime: time, bytes, "
+        "rounds per inference and per layer type under lan and wan; logits vs plaintext",
+    )
+    common(bench)
+    bench.add_argument("--repeats", type=int, default=3, help="timing runs (3)")
+    bench.add_argument("--queries", type=int, default=3, help="encoder inputs checked (3)")
+    bench.add_argument("--tokens", type=int, default=4, help="decoder tokens generated (4)")
+    bench.set_defaults(handler=_bench_centaur)
+    accuracy = commands.add_parser(
+        "centaur-accuracy",
+        help="CENTAUR Table 2: classifier accuracy and decoder perplexity, plaintext vs CENTAUR "
+        "vs MPCFormer's quadratics without distillation",
+    )
+    common(accuracy)
+    accuracy.add_argument("--queries", type=int, default=70, help="classifier queries (70)")
+    accuracy.set_defaults(handler=_centaur_accuracy)
+    attacks = commands.add_parser(
+        "centaur-attacks",
+        help="CENTAUR Table 1 and the cloud's attacks (row, sorted-row, vocabulary matching, "
+        "permutation recovery, learned inversion), faithful and hardened",
+    )
+    common(attacks)
+    attacks.set_defaults(handler=_centaur_attacks)
+
+
+def _bench_centaur(args: argparse.Namespace) -> None:
+    from fedfm.experiments.centaur_bench import run_centaur_benchmark
+
+    run_centaur_benchmark(
+        results_dir=args.results_dir,
+        cache_dir=args.cache_dir,
+        repeats=args.repeats,
+        queries=args.queries,
+        tokens=args.tokens,
+    )
+
+
+def _centaur_accuracy(args: argparse.Namespace) -> None:
+    from fedfm.experiments.centaur_bench import run_centaur_accuracy
+
+    run_centaur_accuracy(
+        results_dir=args.results_dir, cache_dir=args.cache_dir, queries=args.queries
+    )
+
+
+def _centaur_attacks(args: argparse.Namespace) -> None:
+    from fedfm.experiments.centaur_attacks import run_centaur_attacks
+
+    run_centaur_attacks(results_dir=args.results_dir, cache_dir=args.cache_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

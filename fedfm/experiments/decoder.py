@@ -121,3 +121,30 @@ def write_decoder_results(
         extra={"history": report["history"], "samples": report["samples"], "report": report},
         command=command,
     )
+
+
+def quick_micro_decoder(folder: Path) -> DecoderSource:
+    """The ``llama_fedfm_micro`` decoder trained for 12 steps on ``importlib``'s docstrings
+    into ``folder`` (seconds; the red-team suites' small arena), trained only if missing."""
+    from dataclasses import replace
+
+    from fedfm.data.stdlib_text import stdlib_root
+    from fedfm.models.decoder import DecoderTraining
+
+    source = DecoderSource(
+        name="llama_fedfm_micro",
+        cache_dir=folder,
+        training=replace(
+            DecoderTraining(),
+            steps=12,
+            batch_size=8,
+            lr=1e-2,
+            warmup_steps=2,
+            eval_every=6,
+            checkpoint_every=6,
+        ),
+        text_root=stdlib_root() / "importlib",
+    )
+    if not source.path.exists():
+        train_decoder(source, progress=False, log=lambda _: None)
+    return source

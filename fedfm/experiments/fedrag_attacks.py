@@ -243,29 +243,10 @@ def _texts(count: int) -> list[str]:
 
 
 def _micro_runner(folder: Path) -> Any:
-    from dataclasses import replace
-
-    from fedfm.data.stdlib_text import stdlib_root
-    from fedfm.models.decoder import DecoderSource, DecoderTraining, train_decoder
+    from fedfm.experiments.decoder import quick_micro_decoder
     from fedfm.protocols.fedrag.decoder import runner_for
 
-    source = DecoderSource(
-        name="llama_fedfm_micro",
-        cache_dir=folder,
-        training=replace(
-            DecoderTraining(),
-            steps=12,
-            batch_size=8,
-            lr=1e-2,
-            warmup_steps=2,
-            eval_every=6,
-            checkpoint_every=6,
-        ),
-        text_root=stdlib_root() / "importlib",
-    )
-    if not source.path.exists():
-        train_decoder(source, progress=False, log=lambda _: None)
-    return runner_for(source)[0]
+    return runner_for(quick_micro_decoder(folder))[0]
 
 
 # -- the red team ----------------------------------------------------------------------------

@@ -750,6 +750,7 @@ STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
 PROTOCOL_SUITES: dict[str, str] = {
     "fedrag": "fedfm.experiments.fedrag_attacks:red_team_suite",
     "slip": "fedfm.experiments.slip_attacks:red_team_suite",
+    "centaur": "fedfm.experiments.centaur_attacks:red_team_suite",
 }
 
 

@@ -37,10 +37,11 @@ from fedfm.protocols.fedrag.defaults import DEFAULTS
 from fedfm.protocols.fedrag.generation import Generation, GenerationSettings
 from fedfm.protocols.fedrag.plan import COORDINATOR, RolePlan
 from fedfm.protocols.fedrag.scrambler import KINDS, check_scaling_range
-from fedfm.runtime.payload import pack_arrays, unpack_arrays
+from fedfm.protocols.reports import open_report as open_sealed_report
+from fedfm.protocols.reports import seal_report
 from fedfm.runtime.protocol import Protocol, RoleContext, Step
 from fedfm.runtime.transport import ConfigValue
-from fedfm.secagg.channel import KEY_BYTES, open_sealed, seal
+from fedfm.secagg.channel import KEY_BYTES
 
 STAGES = ("generate", "rag")
 ATTENTIONS = ("scrambled", "distributed", "secret-sharing")
@@ -183,14 +184,12 @@ def publish_report(context: RoleContext, arrays: dict[str, np.ndarray]) -> None:
             for name, value in context.state.items()
             if name.startswith("report.")
         }
-        sealed = seal(key, pack_arrays(report), REPORT_LABEL + context.role.encode())
-        context.publish("report", np.frombuffer(sealed, dtype=np.uint8))
+        context.publish("report", seal_report(key, report, REPORT_LABEL + context.role.encode()))
 
 
 def open_report(key: bytes, sealed: np.ndarray, role: str = COORDINATOR) -> dict[str, np.ndarray]:
     """What ``role`` published sealed under ``key`` (its operator's ``report_key``)."""
-    data = np.asarray(sealed, dtype=np.uint8).tobytes()
-    return unpack_arrays(open_sealed(key, data, REPORT_LABEL + role.encode(), "fedrag report"))
+    return open_sealed_report(key, sealed, REPORT_LABEL + role.encode(), "fedrag report")
 
 
 # -- inputs -------------------------------------------------------------------------------------

@@ -23,13 +23,14 @@ runtime, with the same roles, steps shape, decoder and network presets as FedRAG
    which reconstructs, un-permutes ``rho`` and merges with its local attention (Eq. 6).
 
 Seven relay round trips per layer per pair instead of FedRAG's two, and ``n x m`` ring matrices
-on the wire. Fixed point costs accuracy (about ``2^-16`` per value): its logit error is reported
-beside FedRAG's. Owners keep their keys and values (nobody holds them scrambled).
+on the wire. The ring arithmetic (fixed point, shares, local truncation) is
+:mod:`fedfm.protocols.sharing`, shared with CENTAUR. Fixed point costs accuracy (about ``2^-16``
+per value): its logit error is reported beside FedRAG's. Owners keep their keys and values
+(nobody holds them scrambled).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 
@@ -40,44 +41,29 @@ from fedfm.errors import ProtocolError
 from fedfm.protocols.fedrag.decoder import DecoderRunner
 from fedfm.protocols.fedrag.generation import Generation, _both
 from fedfm.protocols.fedrag.plan import COORDINATOR
+from fedfm.protocols.sharing import (
+    FRACTION,
+    SCALE,
+    decode,
+    encode,
+    ring_matmul,
+    share,
+    truncate,
+    uniform,
+)
 from fedfm.runtime.protocol import RoleContext, Step
-from fedfm.secagg.masking import expand_mask
 
-FRACTION = 16
-SCALE = float(1 << FRACTION)
-
-
-def encode(x: np.ndarray) -> np.ndarray:
-    """Fixed point: ``round(x 2^f)`` in the ring ``Z_{2^64}`` (two's complement)."""
-    return np.round(np.asarray(x, dtype=np.float64) * SCALE).astype(np.int64).view(np.uint64)
-
-
-def decode(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, dtype=np.uint64).view(np.int64).astype(np.float64) / SCALE
-
-
-def uniform(shape: tuple[int, ...]) -> np.ndarray:
-    """Uniform ring elements from a fresh ChaCha20 key (OS CSPRNG)."""
-    count = int(np.prod(shape)) if shape else 1
-    return expand_mask(os.urandom(32), count).reshape(shape)
-
-
-def share(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    mask = uniform(x.shape)
-    return mask, x - mask
-
-
-def ring_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Batched matrix product modulo ``2^64`` (numpy's uint64 matmul wraps, as C does)."""
-    return np.matmul(np.asarray(a, dtype=np.uint64), np.asarray(b, dtype=np.uint64))
-
-
-def truncate(x: np.ndarray, party: int) -> np.ndarray:
-    """SecureML's local truncation of a share by ``2^f`` (party 0 and 1 differ)."""
-    signed = np.asarray(x, dtype=np.uint64).view(np.int64)
-    if party == 0:
-        return (signed >> FRACTION).view(np.uint64)
-    return (-((-signed) >> FRACTION)).view(np.uint64)
+__all__ = [
+    "FRACTION",
+    "SCALE",
+    "SecretSharingGeneration",
+    "decode",
+    "encode",
+    "ring_matmul",
+    "share",
+    "truncate",
+    "uniform",
+]
 
 
 class SecretSharingGeneration(Generation):
