@@ -161,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2, help="greedy tokens (llama) (2)")
     parser.add_argument("--cache-dir", type=Path, default=ROOT / "runs" / "cache")
     parser.add_argument("--workspace", type=Path, help="an empty or new folder to keep")
+    launcher = _double_blind_launcher()
+    launcher.add_resource_arguments(parser)
     args, flwr_args = parser.parse_known_args(argv)
+    resources = launcher.ClientResources.of_app(APP, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     model = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model
     plan, ids = build(model, args.cache_dir.resolve(), args.mode)
     key = os.urandom(32)
-    launcher = _double_blind_launcher()
     with tempfile.TemporaryDirectory(prefix="fedfm-centaur-") as temporary:
         workspace = (args.workspace or Path(temporary)).resolve()
         workspace.mkdir(parents=True, exist_ok=True)
@@ -178,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         config_file = workspace / "run-config.toml"
         config_file.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in run_config.items()))
         overrides = ["--run-config", str(config_file), *flwr_args]
-        status = launcher.run_app(APP, len(ROLES), home, overrides, node_config=node_config)
+        status = launcher.run_app(
+            APP, len(ROLES), home, overrides, node_config=node_config, resources=resources
+        )
         print(f"[fedfm] flwr run: {status}; SuperLink stopped")
         if status != "finished:completed":
             return 1
