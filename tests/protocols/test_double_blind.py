@@ -395,6 +395,46 @@ def test_in_process_run_accounts_round_trips(model, splits) -> None:
     assert transport.stats.round_trips == 1 + 3 * (2 * shown + 5)
 
 
+def test_progress_lines_say_where_each_client_stands(model, splits) -> None:
+    """With ``progress_every=0`` a line goes out before every round trip after the first of a
+    phase: it counts the trips and names each client's block; the default (10 s) stays quiet
+    in a fast run. Under CKKS the same line counts the refreshes of the block in work."""
+    config = small_config(rounds=1, secure_aggregation=False)
+    shown = len(revealed_blocks(config.reveal, model.num_blocks))
+    lines: list[str] = []
+    run_research(
+        model, splits, config, Federation(num_clients=2), log=lines.append, progress_every=0.0
+    )
+    progress = [line for line in lines if "round trips, 2 in flight" in line]
+    train = [line for line in progress if "[simulate] train:" in line]
+    evaluate = [line for line in progress if "[simulate] evaluate:" in line]
+    assert len(train) == shown and len(evaluate) == shown - 1  # trips 1.. of L + 1 and of L
+    assert train[0].startswith("[fedfm] round 1/1 [simulate] train: 1 round trips")
+    # after trip k the server has sent block k + 1 (after the last block: the loss message)
+    assert f"node 0 train block 2/{shown} at the client; node 1 train block 2/{shown}" in train[0]
+    assert "node 0 train loss at the client; node 1 train loss at the client" in train[-1]
+    assert f"evaluate block {shown}/{shown} at the client" in evaluate[-1]
+    quiet: list[str] = []
+    run_research(model, splits, config, Federation(num_clients=2), log=quiet.append)
+    assert not [line for line in quiet if "in flight" in line]
+
+
+def test_the_position_counts_a_blocks_refreshes(model, splits) -> None:
+    """Mid-block (waiting for a refresh answer) the position names the block being evaluated
+    and the refreshes asked for it so far. (``simulate`` asks for none; the CKKS count is
+    what ``ask`` increments in ``_refreshing``.)"""
+    server, _, _ = setup_pair(model, splits, small_config())
+    node = next(iter(server.sessions))
+    assert server.position(node) == "done"
+    dim = server.sessions[node].train_inputs.shape[-1]
+    server.start("train", node, 1, server.initial_arrays(dim))
+    flight = server.sessions[node].in_flight
+    assert flight is not None and flight.refreshes == 0
+    assert server.position(node) == f"train block 1/{server.num_blocks} at the client"
+    flight.stage, flight.refreshes = iter(()), 7  # as if a refresh of block 2 were out
+    assert server.position(node) == f"train block 2/{server.num_blocks}, refresh 7"
+
+
 def test_evaluate_every_skips_evaluations_but_not_the_last(model, splits) -> None:
     """``evaluate_every=2`` over 3 rounds: round 2 and the last round are evaluated; round 1
     trains only (R fewer round trips, NaN accuracies, no client evaluated)."""

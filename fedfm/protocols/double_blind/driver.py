@@ -36,6 +36,8 @@ from fedfm.protocols.secure_aggregation import run_secure_aggregation
 from fedfm.runtime.transport import Envelope, Failure, Transport
 from fedfm.secagg import ArrayLayout, SecAggConfig
 
+PROGRESS_SECONDS = 10.0  # at most one progress line per phase this often
+
 
 @dataclass(frozen=True)
 class SecureAggregate:
@@ -129,11 +131,15 @@ def _exchange(
     timeout: float | None,
     failures: list[str],
     log: Callable[[str], None],
+    progress: Callable[[int, list[Envelope]], None] | None = None,
 ) -> tuple[list[ClientUpdate | EvaluationResult], int]:
-    """Send requests and keep answering replies until every client reached a result or failed."""
+    """Send requests and keep answering replies until every client reached a result or failed;
+    ``progress`` hears the round trips so far and the requests about to go out."""
     results: list[ClientUpdate | EvaluationResult] = []
     trips = 0
     while requests:
+        if progress is not None:
+            progress(trips, requests)
         replies = transport.send_and_receive(requests, timeout=timeout)
         trips += 1
         answered = set()
@@ -180,6 +186,32 @@ def _phase(
         if (request := server.start(kind, node, server_round, global_arrays)) is not None
     ]
     return _exchange(server, requests=requests, **exchange)
+
+
+def progress_lines(
+    server: DoubleBlindServer,
+    heading: str,
+    log: Callable[[str], None],
+    every: float,
+) -> Callable[[int, list[Envelope]], None]:
+    """A ``progress`` callback for :func:`_exchange`: one line, at most every ``every`` seconds,
+    naming the round trips so far and where each client in flight stands (block, refreshes).
+    An encrypted block takes tens of refresh round trips; without these lines a user would see
+    nothing between two round summaries."""
+    last = time.perf_counter()
+
+    def report(trips: int, requests: list[Envelope]) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if trips == 0 or now - last < every:
+            return
+        last = now
+        where = "; ".join(
+            f"node {request.node_id} {server.position(request.node_id)}" for request in requests
+        )
+        log(f"[fedfm] {heading}: {trips} round trips, {len(requests)} in flight ({where})")
+
+    return report
 
 
 def _secure_aggregate(
@@ -284,12 +316,14 @@ def run_double_blind(
     secagg_timeout: float | None = None,
     min_clients: int = 1,
     log: Callable[[str], None] = print,
+    progress_every: float = PROGRESS_SECONDS,
 ) -> list[RoundRecord]:
     """Run setup and all rounds; return the history (one record per round).
 
     ``timeout`` bounds each round trip of setup, training and evaluation, ``secagg_timeout``
     each SecAgg stage (``None``: no limit). A client that does not answer in time leaves the
-    round.
+    round. While a phase runs, a progress line (round trips, each client's block and refresh)
+    goes to ``log`` at most every ``progress_every`` seconds.
     """
     aggregator = aggregator or WeightedAverage()
     config = server.config
@@ -329,8 +363,15 @@ def run_double_blind(
         started = time.perf_counter()
         failures = []
         phase = {"transport": transport, "timeout": timeout, "failures": failures, "log": log}
+        heading = f"round {server_round}/{config.rounds} [{config.backend}]"
         outcomes, train_trips = _phase(
-            server, "train", active, server_round, state.global_arrays, **phase
+            server,
+            "train",
+            active,
+            server_round,
+            state.global_arrays,
+            progress=progress_lines(server, f"{heading} train", log, progress_every),
+            **phase,
         )
         updates = [u for u in outcomes if isinstance(u, ClientUpdate)]
         if len(updates) < needed:
@@ -365,7 +406,13 @@ def run_double_blind(
         eval_trips = 0
         if config.evaluates(server_round):
             results, eval_trips = _phase(
-                server, "evaluate", active, server_round, state.global_arrays, **phase
+                server,
+                "evaluate",
+                active,
+                server_round,
+                state.global_arrays,
+                progress=progress_lines(server, f"{heading} evaluate", log, progress_every),
+                **phase,
             )
         confusion = sum(
             (r.confusion for r in results if isinstance(r, EvaluationResult)),

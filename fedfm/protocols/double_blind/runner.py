@@ -29,7 +29,12 @@ from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.defaults import FEDERATION
-from fedfm.protocols.double_blind.driver import Aggregator, RoundRecord, run_double_blind
+from fedfm.protocols.double_blind.driver import (
+    PROGRESS_SECONDS,
+    Aggregator,
+    RoundRecord,
+    run_double_blind,
+)
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.protocols.secure_aggregation import signed_federation
@@ -136,6 +141,7 @@ def run_in_process(
     log: Callable[[str], None] = print,
     secagg_authentication: Sequence[KeyAuthentication] | None = None,
     device: str | torch.device | None = "auto",
+    progress_every: float = PROGRESS_SECONDS,
 ) -> tuple[list[RoundRecord], InProcessTransport]:
     """Run the protocol with every client in this process; return history and transport stats.
 
@@ -150,6 +156,7 @@ def run_in_process(
     ``device`` (:func:`~fedfm.models.device.resolve_device`) is where the plaintext torch runs:
     the clients' adapters and heads and, with the ``simulate`` backend, the server's model
     (for the run; it is back where it was afterwards); CKKS evaluates on the CPU.
+    ``progress_every``: seconds between progress lines within a phase (``run_double_blind``).
     """
     backend = get_backend(config.backend)
     with server_model_on(model, backend.name, device, log=log) as target:
@@ -167,6 +174,7 @@ def run_in_process(
             randomness=randomness,
             log=log,
             secagg_authentication=secagg_authentication,
+            progress_every=progress_every,
         )
 
 
@@ -185,6 +193,7 @@ def _run_in_process(
     randomness: RandomSource | None,
     log: Callable[[str], None],
     secagg_authentication: Sequence[KeyAuthentication] | None,
+    progress_every: float,
 ) -> tuple[list[RoundRecord], InProcessTransport]:
     datasets = federation_data(splits, federation, config)
     if secagg_authentication is None:
@@ -227,5 +236,6 @@ def _run_in_process(
         checkpoint_dir=checkpoint_dir,
         identity={"config": config.to_config(), "federation": asdict(federation)},
         log=log,
+        progress_every=progress_every,
     )
     return history, transport

@@ -108,6 +108,7 @@ class _InFlight:
     current: list[EncryptedBatch]  # one per set of batches
     sets: list[list[int]] = field(default_factory=list)  # the batches of each set
     stage: Stage | None = None  # waiting for a refresh answer
+    refreshes: int = 0  # refresh round trips towards the next block message (progress lines)
 
     def packed(self, per_batch: list[np.ndarray], offsets: bool = False) -> list[np.ndarray]:
         """Per-batch index arrays joined per set; with ``offsets`` each batch's (orders within
@@ -281,6 +282,23 @@ class DoubleBlindServer:
         session.in_flight = _InFlight(kind, server_round, 0, indices, permutations, [], sets)
         return self._advance(session, self._start_stage(node_id, session, inputs, global_arrays))
 
+    def position(self, node_id: int) -> str:
+        """Where ``node_id``'s round stands, for progress lines: the block the server is
+        evaluating and its refreshes so far, or the block message the client is answering."""
+        session = self.sessions.get(node_id)
+        flight = session.in_flight if session is not None else None
+        if flight is None:
+            return "done"
+        step = flight.block + (flight.stage is not None)  # the step under way
+        where = (
+            f"{flight.kind} loss"  # the step after the last block
+            if step > self.num_blocks
+            else f"{flight.kind} block {step}/{self.num_blocks}"
+        )
+        if flight.stage is not None:
+            return f"{where}, refresh {flight.refreshes}"
+        return f"{where} at the client"
+
     def _advance(
         self, session: ClientSession, stage: Stage, reply: Envelope | None = None
     ) -> Envelope:
@@ -304,6 +322,7 @@ class DoubleBlindServer:
         evaluator = session.evaluator
 
         def ask(items: list[Any]) -> Envelope:
+            flight.refreshes += 1
             return Envelope(REFRESH, node_id, flight.round, evaluator.refresh_payload(items), {})
 
         try:
@@ -362,6 +381,7 @@ class DoubleBlindServer:
             ]
             works = [evaluator.take(session.eval_labels, r) for r in flight.packed(rows)]
             labels = yield from self._refreshing(node_id, session, lockstep(works))
+        flight.refreshes = 0
         request = BlockRequest(
             message_type=TRAIN_BLOCK if flight.kind == "train" else EVALUATE_BLOCK,
             node_id=node_id,
@@ -446,6 +466,7 @@ class DoubleBlindServer:
         losses = [loss for loss, _ in results]
         gradients = [gradient for _, gradient in results]
         flight.block += 1  # the loss step
+        flight.refreshes = 0
         arrays = {**pack_batches("loss", losses), **pack_batches("grad", gradients)}
         return Envelope(TRAIN_LOSS, node_id, flight.round, arrays, {"num_batches": len(losses)})
 
