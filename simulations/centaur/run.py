@@ -38,8 +38,7 @@ import numpy as np
 from fedfm.protocols.centaur import centaur, open_report
 from fedfm.protocols.centaur.model import extract
 from fedfm.protocols.centaur.provisioning import Deployment, calibrate, prepare
-from fedfm.runtime import InProcessFederation, create_identity_file, format_pins
-from fedfm.runtime.settings import identity_file
+from fedfm.runtime import InProcessFederation
 
 APP = Path(__file__).resolve().parent
 ROOT = APP.parents[1]
@@ -101,28 +100,19 @@ def build(model_name: str, cache: Path, mode: str) -> tuple[Deployment, np.ndarr
     return plan, rng.integers(3, architecture.vocab, 10)
 
 
+launcher = _double_blind_launcher()
+
+
 def prepare_workspace(workspace: Path, plan: Deployment, ids: np.ndarray, key: bytes) -> str:
-    identities, folder = workspace / "identities", workspace / "inputs"
-    identities.mkdir(parents=True)
-    folder.mkdir()
-    pins = {
-        role: create_identity_file(identity_file(identities, partition))
-        for partition, role in enumerate(ROLES)
+    """Identities, pins and inputs in ``workspace``: the developer's file, the file the
+    developer provisions the cloud with, the client's tokens and report key; the node config."""
+    inputs = {
+        "developer": plan.developer.arrays(),
+        "cloud": plan.cloud.arrays(),
+        "client": {"tokens": ids, "report_key": np.frombuffer(key, np.uint8)},
     }
-    plan.developer.save(folder / "developer.npz")
-    plan.cloud.save(folder / "cloud.npz")  # the file the developer provisions the cloud with
-    np.savez(folder / "client.npz", tokens=ids, report_key=np.frombuffer(key, np.uint8))
-    node_config = {
-        "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(ROLES)),
-        "identity-dir": str(identities),
-        "pins": format_pins(pins),
-        "inputs-dir": str(folder),
-    }
-    return config_pairs(node_config)
-
-
-def config_pairs(values: dict[str, object]) -> str:
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+    _, node_config = launcher.provision_runtime_nodes(workspace, list(ROLES), inputs)
+    return node_config
 
 
 def check(
@@ -161,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2, help="greedy tokens (llama) (2)")
     parser.add_argument("--cache-dir", type=Path, default=ROOT / "runs" / "cache")
     parser.add_argument("--workspace", type=Path, help="an empty or new folder to keep")
-    launcher = _double_blind_launcher()
     launcher.add_resource_arguments(parser)
     args, flwr_args = parser.parse_known_args(argv)
     resources = launcher.ClientResources.of_app(APP, num_cpus=args.num_cpus, num_gpus=args.num_gpus)

@@ -54,6 +54,7 @@ import time
 import tomllib
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 APP = Path(__file__).resolve().parent
 ROOT = APP.parents[1]
@@ -280,6 +281,42 @@ def run(
     )
     print(f"[fedfm] flwr run: {status}; SuperLink stopped")
     return 0 if status == "finished:completed" else 1
+
+
+def config_pairs(values: dict[str, object]) -> str:
+    """``key="value" ...``: Flower's ``--run-config`` / ``--node-config`` syntax."""
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+
+
+def provision_runtime_nodes(
+    workspace: Path, roles: list[str], inputs: dict[str, dict[str, Any]]
+) -> tuple[dict[str, object], str]:
+    """The simulated sites of a runtime protocol, in ``workspace``: an identity per role (the
+    node of partition k plays ``roles[k]``), every node pinning every identity, each role's
+    inputs as ``inputs/<role>.npz``. Returns the run config (where the result goes) and the node
+    config every simulated node reads (role partitions, identity folder, pins, inputs folder):
+    nothing a node trusts comes from the run config."""
+    import numpy as np
+
+    from fedfm.runtime import create_identity_file, format_pins
+    from fedfm.runtime.settings import identity_file
+
+    identities, folder = workspace / "identities", workspace / "inputs"
+    identities.mkdir(parents=True)
+    folder.mkdir()
+    pins = {
+        role: create_identity_file(identity_file(identities, partition))
+        for partition, role in enumerate(roles)
+    }
+    for role, arrays in inputs.items():
+        np.savez(folder / f"{role}.npz", **arrays)
+    node_config = {
+        "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(roles)),
+        "identity-dir": str(identities),
+        "pins": format_pins(pins),
+        "inputs-dir": str(folder),
+    }
+    return {"results-file": str(workspace / "result.json")}, config_pairs(node_config)
 
 
 def flwr_run_command(

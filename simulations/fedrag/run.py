@@ -34,8 +34,6 @@ from pathlib import Path
 import numpy as np
 
 from fedfm.protocols.fedrag import open_report
-from fedfm.runtime import create_identity_file, format_pins
-from fedfm.runtime.settings import identity_file
 
 APP = Path(__file__).resolve().parent
 ROOT = APP.parents[1]
@@ -99,30 +97,6 @@ def build_inputs(stage: str, decoder: str, cache: Path, query: int, tokens: int)
     return inputs, None
 
 
-def prepare(workspace: Path, inputs: dict) -> tuple[dict[str, object], str]:
-    """Identities, pins, inputs in ``workspace``; the run config and the nodes' own config."""
-    identities, folder = workspace / "identities", workspace / "inputs"
-    identities.mkdir(parents=True)
-    folder.mkdir()
-    pins = {
-        role: create_identity_file(identity_file(identities, partition))
-        for partition, role in enumerate(ROLES)
-    }
-    for role, arrays in inputs.items():
-        np.savez(folder / f"{role}.npz", **arrays)
-    node_config = {
-        "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(ROLES)),
-        "identity-dir": str(identities),
-        "pins": format_pins(pins),
-        "inputs-dir": str(folder),
-    }
-    return {"results-file": str(workspace / "result.json")}, config_pairs(node_config)
-
-
-def config_pairs(values: dict[str, object]) -> str:
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
-
-
 def check(workspace: Path, segments, decoder: str, cache: Path, tokens: int) -> tuple[bool, str]:
     from fedfm.protocols.fedrag.decoder import runner_for
     from fedfm.protocols.fedrag.reference import plaintext_generate
@@ -162,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedfm-fedrag-") as temporary:
         workspace = (args.workspace or Path(temporary)).resolve()
         workspace.mkdir(parents=True, exist_ok=True)
-        config, node_config = prepare(workspace, inputs)
+        config, node_config = launcher.provision_runtime_nodes(workspace, list(ROLES), inputs)
         config |= {
             "stage": args.stage,
             "max-new-tokens": args.tokens,
@@ -171,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         home = workspace / "flwr-home"
         home.mkdir()
-        overrides = ["--run-config", config_pairs(config), *flwr_args]
+        overrides = ["--run-config", launcher.config_pairs(config), *flwr_args]
         status = launcher.run_app(
             APP, len(ROLES), home, overrides, node_config=node_config, resources=resources
         )

@@ -34,8 +34,6 @@ from pathlib import Path
 import numpy as np
 
 from fedfm.protocols.helix import PROVIDER, client_role, fit_alignment, open_report
-from fedfm.runtime import create_identity_file, format_pins
-from fedfm.runtime.settings import identity_file
 
 APP = Path(__file__).resolve().parent
 ROOT = APP.parents[1]
@@ -101,34 +99,6 @@ def real_inputs(clients: int, *, seed: int, public_size: int, queries: int) -> d
     return inputs
 
 
-def prepare(workspace: Path, inputs: dict) -> tuple[dict[str, object], str]:
-    """Identities, pins, inputs (with report keys) in ``workspace``; the run config and the
-    simulated nodes' own node config (see ``simulations/runtime_demo/run.py``)."""
-    identities, folder = workspace / "identities", workspace / "inputs"
-    identities.mkdir(parents=True)
-    folder.mkdir()
-    roles = list(inputs)
-    pins = {
-        role: create_identity_file(identity_file(identities, partition))
-        for partition, role in enumerate(roles)
-    }
-    for role, arrays in inputs.items():
-        extra = {} if role == PROVIDER else {"report_key": np.frombuffer(os.urandom(32), np.uint8)}
-        np.savez(folder / f"{role}.npz", **arrays, **extra)
-    node_config = {
-        "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(roles)),
-        "identity-dir": str(identities),
-        "pins": format_pins(pins),
-        "inputs-dir": str(folder),
-    }
-    return {"results-file": str(workspace / "result.json")}, config_pairs(node_config)
-
-
-def config_pairs(values: dict[str, object]) -> str:
-    """``key="value" ...``: Flower's ``--run-config`` / ``--node-config`` syntax."""
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
-
-
 def check_reports(workspace: Path, clients: int) -> list[tuple[bool, str]]:
     """Open each client's sealed report: per client, whether it is right and a line saying so."""
     outputs = json.loads((workspace / "result.json").read_text())["outputs"]
@@ -172,11 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedfm-helix-") as temporary:
         workspace = (args.workspace or Path(temporary)).resolve()
         workspace.mkdir(parents=True, exist_ok=True)
-        config, node_config = prepare(workspace, inputs)
+        report_keys = {  # each data owner opens its report with its own key
+            role: {"report_key": np.frombuffer(os.urandom(32), np.uint8)}
+            for role in inputs
+            if role != PROVIDER
+        }
+        config, node_config = launcher.provision_runtime_nodes(
+            workspace,
+            list(inputs),
+            {role: {**arrays, **report_keys.get(role, {})} for role, arrays in inputs.items()},
+        )
         config["clients"] = args.clients
         home = workspace / "flwr-home"
         home.mkdir()
-        overrides = ["--run-config", config_pairs(config), *flwr_args]
+        overrides = ["--run-config", launcher.config_pairs(config), *flwr_args]
         status = launcher.run_app(
             APP, len(inputs), home, overrides, node_config=node_config, resources=resources
         )

@@ -30,9 +30,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fedfm.runtime import create_identity_file, format_pins
-from fedfm.runtime.settings import identity_file
-
 APP = Path(__file__).resolve().parent
 ROOT = APP.parents[1]
 ROLES = ("alice", "bob", "carol")  # on partitions 0, 1, 2
@@ -51,32 +48,12 @@ def _double_blind_launcher():
 launcher = _double_blind_launcher()
 
 
-def prepare(workspace: Path, *, length: int, seed: int) -> tuple[dict[str, str], str]:
-    """Identities, pins and inputs for the three nodes in ``workspace``; the run config and
-    the simulated nodes' own node config (roles by partition, identity folder, pins, inputs:
-    nothing a node trusts comes from the run config)."""
-    identities, inputs = workspace / "identities", workspace / "inputs"
-    identities.mkdir(parents=True)
-    inputs.mkdir()
-    pins = {
-        role: create_identity_file(identity_file(identities, partition))
-        for partition, role in enumerate(ROLES)
-    }
+def prepare(workspace: Path, *, length: int, seed: int) -> tuple[dict[str, object], str]:
+    """Identities, pins and inputs (alice's and bob's vectors) for the three nodes in
+    ``workspace``; the run config and the simulated nodes' own node config."""
     rng = np.random.default_rng(seed)
-    for role in ROLES[:2]:
-        np.savez(inputs / f"{role}.npz", x=rng.integers(-(2**40), 2**40, size=length))
-    node_config = {
-        "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(ROLES)),
-        "identity-dir": str(identities),
-        "pins": format_pins(pins),
-        "inputs-dir": str(inputs),
-    }
-    return {"results-file": str(workspace / "result.json")}, config_pairs(node_config)
-
-
-def config_pairs(values: dict[str, str]) -> str:
-    """``key="value" ...``: Flower's ``--run-config`` / ``--node-config`` syntax."""
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+    inputs = {role: {"x": rng.integers(-(2**40), 2**40, size=length)} for role in ROLES[:2]}
+    return launcher.provision_runtime_nodes(workspace, list(ROLES), inputs)
 
 
 def expected_sum(workspace: Path) -> list[int]:
@@ -85,12 +62,12 @@ def expected_sum(workspace: Path) -> list[int]:
     return (vectors[0] + vectors[1]).tolist()
 
 
-def run(workspace: Path, config: dict[str, str], node_config: str, flwr_args: list[str]) -> str:
+def run(workspace: Path, config: dict[str, object], node_config: str, flwr_args: list[str]) -> str:
     """Start a SuperLink, run the app with ``config`` (run config) and ``node_config`` (every
     simulated node's own), stop the SuperLink; the run's status."""
     home = workspace / "flwr-home"
     home.mkdir()
-    overrides = ["--run-config", config_pairs(config), *flwr_args]
+    overrides = ["--run-config", launcher.config_pairs(config), *flwr_args]
     return launcher.run_app(APP, len(ROLES), home, overrides, node_config=node_config)
 
 

@@ -88,33 +88,6 @@ def build_inputs(config: dict, workspace: Path, tokens: int):
     return inputs, expected
 
 
-def prepare(workspace: Path, inputs: dict) -> tuple[dict[str, object], str]:
-    """Identities, pins, inputs in ``workspace``; the run config and the nodes' own config."""
-    from fedfm.runtime import create_identity_file, format_pins
-    from fedfm.runtime.settings import identity_file
-
-    identities, folder = workspace / "identities", workspace / "inputs"
-    identities.mkdir(parents=True)
-    folder.mkdir()
-    pins = {
-        role: create_identity_file(identity_file(identities, partition))
-        for partition, role in enumerate(ROLES)
-    }
-    for role, arrays in inputs.items():
-        np.savez(folder / f"{role}.npz", **arrays)
-    node_config = {
-        "role-partitions": ",".join(f"{role}={k}" for k, role in enumerate(ROLES)),
-        "identity-dir": str(identities),
-        "pins": format_pins(pins),
-        "inputs-dir": str(folder),
-    }
-    return {"results-file": str(workspace / "result.json")}, config_pairs(node_config)
-
-
-def config_pairs(values: dict[str, object]) -> str:
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
-
-
 def check(workspace: Path, config: dict, inputs: dict, expected: np.ndarray) -> tuple[bool, str]:
     from fedfm.protocols.slip import open_report, slip
     from fedfm.runtime import run_in_process
@@ -163,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         workspace = (args.workspace or Path(temporary)).resolve()
         workspace.mkdir(parents=True, exist_ok=True)
         inputs, expected = build_inputs(config, workspace, args.tokens)
-        run_config, node_config = prepare(workspace, inputs)
+        run_config, node_config = launcher.provision_runtime_nodes(workspace, list(ROLES), inputs)
         run_config |= config
         home = workspace / "flwr-home"
         home.mkdir()
-        overrides = ["--run-config", config_pairs(run_config), *flwr_args]
+        overrides = ["--run-config", launcher.config_pairs(run_config), *flwr_args]
         status = launcher.run_app(
             APP, len(ROLES), home, overrides, node_config=node_config, resources=resources
         )
