@@ -48,7 +48,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -85,6 +85,15 @@ class Calibration:
     layer_variance: float = 1.0  # typical variance at the layers' norms (baseline)
     activation_bound: float = 8.0  # GeLU / SiLU polynomial domain [-bound, bound]
     tanh_bound: float = 4.0
+    # per norm (``l3.ln2``, ``l0.norm2``, ``norm``): the variance (BERT) or mean square (Llama)
+    # at the middle of its rows' range on the calibration text; the residual stream's scale
+    # differs between norms by far more than inverse_sqrt's domain (a Llama's layer 0 MLP norm
+    # reads the embedding's scale, 1e-3 times the later layers'), so one constant does not do
+    norm_variances: dict[str, float] = field(default_factory=dict)
+
+    def norm_variance(self, norm: str) -> float:
+        """The calibration constant of the norm named ``norm`` (``layer_variance`` if none)."""
+        return self.norm_variances.get(norm, self.layer_variance)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -540,7 +549,7 @@ class ForwardBuilder:
             f"{p}.ln1.b",
             n,
             under_sharing=full,
-            variance=self.calibration.layer_variance,
+            variance=self.calibration.norm_variance(f"{p}.ln1"),
         )
         self.linear(f"{p}.up", f"{p}.up", "h", f"{p}.up.w", n, bias=f"{p}.up.b", truncate=full)
         shape = (n, a.intermediate)
@@ -571,7 +580,7 @@ class ForwardBuilder:
             f"{p}.ln2.b",
             n,
             under_sharing=full,
-            variance=self.calibration.layer_variance,
+            variance=self.calibration.norm_variance(f"{p}.ln2"),
         )
 
     def llama_layer(self, layer: int) -> None:
@@ -579,7 +588,9 @@ class ForwardBuilder:
         full = self.shared_weights
         first_hardened = self.mode == "hardened" and layer == 0
         variance = (
-            self.calibration.embed_variance if layer == 0 else self.calibration.layer_variance
+            self.calibration.embed_variance
+            if layer == 0
+            else self.calibration.norm_variance(f"{p}.norm1")
         )
         self.norm(
             f"{p}.norm1",
@@ -604,7 +615,7 @@ class ForwardBuilder:
             None,
             n,
             under_sharing=full,
-            variance=self.calibration.layer_variance,
+            variance=self.calibration.norm_variance(f"{p}.norm2"),
         )
         k = a.intermediate
         if full:
@@ -676,7 +687,7 @@ class ForwardBuilder:
                     a.hidden,
                     gain="norm.g",
                     bias=None,
-                    calibration=self.calibration.layer_variance,
+                    calibration=self.calibration.norm_variance("norm"),
                     centred=False,
                     shared_weights=True,
                 )
