@@ -242,6 +242,43 @@ def test_full_secret_sharing_baseline_approximates_plaintext(bert: Any, llama: A
         assert np.corrcoef(got, expected)[0, 1] > 0.95
 
 
+@pytest.mark.parametrize(
+    ("stress", "names", "factor"),
+    [
+        # one head's scores spread wider than the mean-shifted exp's window (MiniLM's layer 0)
+        ("score_spread", ("l0.q.w", "l0.q.b"), 8.0),
+        # one norm's input 900 times the variance of the others (a Llama's layer 0 MLP norm)
+        ("norm_scale", ("l1.down.w", "l1.down.b"), 30.0),
+        # activations over [-26, 26] (MiniLM's layer 0 FFN)
+        ("activation_bound", ("l0.up.w", "l0.up.b"), 8.0),
+    ],
+)
+def test_full_secret_sharing_baseline_stays_in_its_domains_on_wide_models(
+    bert: Any, stress: str, names: tuple[str, ...], factor: float
+) -> None:
+    """The tiny BERT with one layer scaled as trained encoders are: before the per-norm
+    calibration, the sharpened softmax and the rectified GeLU, the first two wrapped the ring
+    (logits off by 1e9) and the third erred by 0.24."""
+    from fedfm.protocols.centaur.programs import EXP_CEILING, MAX_MARGIN
+
+    architecture, weights, _ = bert
+    scaled = dict(weights) | {name: weights[name] * factor for name in names}
+    plan = deployment((architecture, scaled, None), "full-sharing")
+    calibration = plan.developer.calibration
+    variances = calibration.norm_variances.values()
+    # the stress is real: outside what one public margin / one norm constant / a polynomial
+    # of the whole GeLU covers
+    assert {
+        "score_spread": calibration.score_spread > EXP_CEILING + MAX_MARGIN,
+        "norm_scale": max(variances) / min(variances) > 300,
+        "activation_bound": calibration.activation_bound > 20,
+    }[stress]
+    ids = token_ids(architecture.vocab, 8, 6)
+    got = run_locally(plan.run_config(), role_inputs(plan, ids, bytes(32))).client["logits"][0]
+    expected = forward(architecture, scaled, ids)
+    assert np.abs(got - expected).max() < 0.12
+
+
 # -- what the cloud sees --------------------------------------------------------------------------
 
 
@@ -367,8 +404,10 @@ def test_unknown_or_missing_settings_are_config_errors() -> None:
 
 
 def test_calibration_round_trips() -> None:
-    calibration = Calibration(9.0, 0.5, 2.0, 6.0, 4.0)
+    calibration = Calibration(9.0, 0.5, 2.0, 6.0, 4.0, {"l0.ln1": 0.3, "l1.ln2": 40.0})
     assert Calibration.from_json(calibration.to_json()) == calibration
+    assert calibration.norm_variance("l1.ln2") == 40.0
+    assert calibration.norm_variance("l1.ln1") == 2.0  # the layers' typical variance
 
 
 # -- the Flower app ------------------------------------------------------------------------------
@@ -425,6 +464,6 @@ def test_the_round_count_does_not_depend_on_the_calibration(bert: Any) -> None:
     for mode in ("faithful", "hardened", "full-sharing"):
         rounds = {
             build_forward(architecture, 7, mode=mode, fraction=16, calibration=c).rounds()
-            for c in (Calibration(), Calibration(40.0, 0.01, 50.0, 30.0, 2.0))
+            for c in (Calibration(), Calibration(40.0, 0.01, 50.0, 30.0, 2.0, {"l0.ln1": 900.0}))
         }
         assert len(rounds) == 1

@@ -48,7 +48,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,10 @@ from fedfm.protocols.sharing import encode, ring_matmul
 MODES = ("faithful", "hardened", "full-sharing")
 EXP_CEILING = 9.0  # the baseline's exp inputs stay below this (e^9 = 8103 < 2^15.5)
 MAX_MARGIN = 8.0  # e^-8 = 3.4e-4: still 22 units of 2^-16
+# The baseline's softmax runs at temperature 2^SHARPENINGS and squares back (see
+# full_sharing_attention): one row's scores may spread by up to 2^SHARPENINGS (EXP_CEILING +
+# MAX_MARGIN) = 68 (MiniLM's first layer: 41 on the calibration text).
+SHARPENINGS = 2
 INPUT = "input"
 
 
@@ -85,6 +89,15 @@ class Calibration:
     layer_variance: float = 1.0  # typical variance at the layers' norms (baseline)
     activation_bound: float = 8.0  # GeLU / SiLU polynomial domain [-bound, bound]
     tanh_bound: float = 4.0
+    # per norm (``l3.ln2``, ``l0.norm2``, ``norm``): the variance (BERT) or mean square (Llama)
+    # at the middle of its rows' range on the calibration text; the residual stream's scale
+    # differs between norms by far more than inverse_sqrt's domain (a Llama's layer 0 MLP norm
+    # reads the embedding's scale, 1e-3 times the later layers'), so one constant does not do
+    norm_variances: dict[str, float] = field(default_factory=dict)
+
+    def norm_variance(self, norm: str) -> float:
+        """The calibration constant of the norm named ``norm`` (``layer_variance`` if none)."""
+        return self.norm_variances.get(norm, self.layer_variance)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -468,18 +481,25 @@ class ForwardBuilder:
         # values must stay below 2^63: values below about 2^15.5 at 16 bits) on the calibration
         # text, and by Jensen the mean of the exponentials is at least e^-m, so Newton's
         # reciprocal gets enough iterations to climb from CrypTen's initial guess to e^m.
-        # The 1/count factors are public per row.
+        # That covers rows whose (max - mean) lies in a window EXP_CEILING + MAX_MARGIN = 17
+        # wide: the 16-bit fixed point's dynamic range. Trained encoders have heads far wider
+        # than that beside nearly flat ones (MiniLM's layer 0: 0.4 to 41 in one head), so the
+        # softmax runs at temperature T = 2^SHARPENINGS (spreads / T fit the window) and
+        # squares back: softmax(x) = normalise(softmax(x / T)^T), one squaring and one
+        # renormalisation per halving of T (sharpen). The 1/count factors are public per row.
         keep = (causal_mask(n) == 0) if a.kind == "llama" else np.ones((n, n), dtype=bool)
         counts = keep.sum(axis=1, keepdims=True).astype(np.float64)
         f = self.f
         mean_of = encode(keep / counts, f)  # row-wise averaging weights (public)
         inverse_count = encode(1.0 / counts, f)
+        temperature = float(1 << SHARPENINGS)
         with self.scope("softmax"):
-            self.b.scale(f"{p}.scores", f"{p}.scores", 1.0 / math.sqrt(dh))
+            self.b.scale(f"{p}.scores", f"{p}.scores", 1.0 / (math.sqrt(dh) * temperature))
             # the margin is capped where the mean of the exponentials would fall below the
-            # fixed point's resolution: rows spread wider than EXP_CEILING + MAX_MARGIN overflow
-            # (CrypTen subtracts a securely computed maximum instead, at more rounds)
-            margin = min(MAX_MARGIN, max(0.0, self.calibration.score_spread - EXP_CEILING))
+            # fixed point's resolution: rows spread wider than T (EXP_CEILING + MAX_MARGIN)
+            # overflow (CrypTen subtracts a securely computed maximum instead)
+            spread = self.calibration.score_spread / temperature
+            margin = min(MAX_MARGIN, max(0.0, spread - EXP_CEILING))
             # fixed by the cap, not by the calibration: the number of rounds is public and
             # every party (the relay too) must count the same steps
             iterations = max(approx.RECIPROCAL_ITERATIONS, math.ceil(1.45 * MAX_MARGIN) + 4)
@@ -511,6 +531,8 @@ class ForwardBuilder:
             self.b.multiply(
                 f"{p}.normalise", f"{p}.probs", f"{p}.exp", f"{p}.inv", shape, (heads, n, 1)
             )
+            for _ in range(SHARPENINGS):
+                self.sharpen(f"{p}.probs", shape, mask * counts.astype(np.uint64), inverse_count)
         self.b.add(
             self.b.product(f"{p}.av", f"{p}.ctx", f"{p}.probs", f"{p}.v", shape, (heads, n, dh))
         )
@@ -520,6 +542,44 @@ class ForwardBuilder:
                 f"{p}.ctx", party.get(f"{p}.ctx").transpose(1, 0, 2).reshape(n, a.hidden)
             ),
         )
+
+    def sharpen(
+        self,
+        probs: str,
+        shape: tuple[int, int, int],
+        weight: np.ndarray,
+        inverse_count: np.ndarray,
+    ) -> None:
+        """``probs <- probs^2 / sum(probs^2)`` per row: halves the softmax's temperature.
+
+        ``r = count p`` (an exact integer scaling; ``weight`` is ``count`` on kept entries, 0 on
+        masked ones) has row sum ``count``, so by Cauchy-Schwarz the row mean of ``r^2`` lies
+        in ``[1, count]``: inside the reciprocal's domain from CrypTen's initial guess for any
+        row, whatever the scores, and ``r^2 <= count^2`` fits the fixed point. Cost: two
+        elementwise products and one reciprocal (``2 + 8 + 2 * 10`` rounds), in the range of
+        the comparisons CrypTen's max needs instead (a tree of ``log2 n`` comparisons of about
+        eight rounds each)."""
+        square, mean, inverse = (self.b.fresh(f"sharpen.{n_}") for n_ in ("sq", "mean", "inv"))
+        rows = (*shape[:2], 1)
+
+        def scale(party: Party) -> None:
+            party.put(square, party.get(probs) * weight)
+
+        self.b.local("sharpen.scale", scale)
+        self.b.multiply("sharpen.square", square, square, square, shape)
+
+        def average(party: Party) -> None:
+            total = party.get(square).sum(axis=-1, keepdims=True)
+            party.put(mean, party.truncate(total * inverse_count))
+
+        self.b.local("sharpen.average", average)
+        approx.reciprocal(self.b, inverse, mean, rows)
+        self.b.local(
+            "sharpen.per_count",
+            lambda party: party.put(inverse, party.truncate(party.get(inverse) * inverse_count)),
+        )
+        self.b.multiply("sharpen.normalise", probs, square, inverse, shape, rows)
+        self.b.local("sharpen.done", lambda party: party.drop(square, mean, inverse))
 
     def bert_layer(self, layer: int) -> None:
         a, n, f, p = self.a, self.n, self.f, f"l{layer}"
@@ -540,22 +600,14 @@ class ForwardBuilder:
             f"{p}.ln1.b",
             n,
             under_sharing=full,
-            variance=self.calibration.layer_variance,
+            variance=self.calibration.norm_variance(f"{p}.ln1"),
         )
         self.linear(f"{p}.up", f"{p}.up", "h", f"{p}.up.w", n, bias=f"{p}.up.b", truncate=full)
         shape = (n, a.intermediate)
         with self.scope("activation"):
             if full:
-                coefficients = approx.chebyshev_power_coefficients(
-                    gelu, self.calibration.activation_bound
-                )
-                approx.polynomial(
-                    self.b,
-                    f"{p}.act",
-                    f"{p}.up",
-                    shape,
-                    coefficients,
-                    self.calibration.activation_bound,
+                approx.rectified_polynomial(
+                    self.b, f"{p}.act", f"{p}.up", shape, gelu, self.calibration.activation_bound
                 )
             else:
                 self.b.cloud(f"{p}.gelu", f"{p}.act", f"{p}.up", lambda party, x: gelu(x), 2 * f)
@@ -571,7 +623,7 @@ class ForwardBuilder:
             f"{p}.ln2.b",
             n,
             under_sharing=full,
-            variance=self.calibration.layer_variance,
+            variance=self.calibration.norm_variance(f"{p}.ln2"),
         )
 
     def llama_layer(self, layer: int) -> None:
@@ -579,7 +631,9 @@ class ForwardBuilder:
         full = self.shared_weights
         first_hardened = self.mode == "hardened" and layer == 0
         variance = (
-            self.calibration.embed_variance if layer == 0 else self.calibration.layer_variance
+            self.calibration.embed_variance
+            if layer == 0
+            else self.calibration.norm_variance(f"{p}.norm1")
         )
         self.norm(
             f"{p}.norm1",
@@ -604,7 +658,7 @@ class ForwardBuilder:
             None,
             n,
             under_sharing=full,
-            variance=self.calibration.layer_variance,
+            variance=self.calibration.norm_variance(f"{p}.norm2"),
         )
         k = a.intermediate
         if full:
@@ -676,7 +730,7 @@ class ForwardBuilder:
                     a.hidden,
                     gain="norm.g",
                     bias=None,
-                    calibration=self.calibration.layer_variance,
+                    calibration=self.calibration.norm_variance("norm"),
                     centred=False,
                     shared_weights=True,
                 )

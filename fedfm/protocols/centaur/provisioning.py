@@ -169,8 +169,14 @@ def calibrate(
     architecture: Architecture, weights: Mapping[str, np.ndarray], sequences: Iterable[np.ndarray]
 ) -> Calibration:
     """Public constants for the MPC approximations, from plaintext runs on public text (the
-    developer's own model, so nothing private leaves it beyond these five numbers)."""
+    developer's own model, so nothing private leaves it beyond these numbers).
+
+    Each norm gets its own inverse-square-root constant, the geometric middle of its rows'
+    variances (mean squares for RMSNorm) over the text: inverse_sqrt's domain is a ratio
+    (about ``[0.05, 50]`` around the constant), so the middle in log scale leaves the most room
+    on both sides."""
     embed, layer, activation, spread = [], [], [0.0], [0.0]
+    rows: dict[str, list[np.ndarray]] = {}
     for ids in sequences:
         trace = Trace()
         forward(architecture, weights, ids, trace=trace)
@@ -187,6 +193,9 @@ def calibrate(
                 name.endswith(".norm1.input") and name != "l0.norm1.input"
             ):
                 layer.append(float(_variance(value, architecture.kind)))
+                rows.setdefault(name.removesuffix(".input"), []).append(
+                    _row_variances(value, architecture.kind)
+                )
             elif name.endswith(".up"):
                 activation.append(float(np.abs(value).max()))
     if not embed:
@@ -197,6 +206,10 @@ def calibrate(
         layer_variance=float(np.median(layer)) if layer else 1.0,
         activation_bound=float(np.ceil(max(activation) * 1.1)),
         tanh_bound=4.0,
+        norm_variances={
+            norm: float(np.sqrt(np.concatenate(v).min() * np.concatenate(v).max()))
+            for norm, v in sorted(rows.items())
+        },
     )
 
 
@@ -204,3 +217,9 @@ def _variance(value: np.ndarray, kind: str) -> float:
     if kind == "bert":
         return float(value.var(axis=-1).mean())
     return float((value**2).mean(axis=-1).mean())
+
+
+def _row_variances(value: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "bert":
+        return np.asarray(value.var(axis=-1), dtype=np.float64)
+    return np.asarray((value**2).mean(axis=-1), dtype=np.float64)
