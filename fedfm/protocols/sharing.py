@@ -1,7 +1,7 @@
 """Additive secret sharing over the ring ``Z_{2^64}`` with fixed point, for every protocol.
 
-FedRAG's PermLLM-style baseline and CENTAUR (and its full secret-sharing baseline) share these
-primitives. Values are numpy ``uint64`` arrays; numpy's unsigned arithmetic wraps, so ``+``,
+FedRAG's PermLLM-style baseline, CENTAUR (and its full secret-sharing baseline) and SLIP share
+these primitives. Values are numpy ``uint64`` arrays; numpy's unsigned arithmetic wraps, so ``+``,
 ``-`` and ``*`` are ring operations. Reals are encoded in two's complement with ``fraction``
 fractional bits (:func:`encode`, :func:`decode`).
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, ProtocolError
 from fedfm.secagg.masking import expand_mask
 
 FRACTION = 16
@@ -50,9 +50,20 @@ def check_fraction(fraction: int) -> int:
     return fraction
 
 
-def encode(x: np.ndarray | float, fraction: int = FRACTION) -> np.ndarray:
-    """Fixed point: ``round(x 2^fraction)`` in the ring ``Z_{2^64}`` (two's complement)."""
+ENCODE_LIMIT = 2.0**62  # encodings stay clear of the int64 edges (casting past them is undefined)
+
+
+def encode(x: np.ndarray | float, fraction: int = FRACTION, what: str = "a value") -> np.ndarray:
+    """Fixed point: ``round(x 2^fraction)`` in the ring ``Z_{2^64}`` (two's complement).
+
+    :class:`ProtocolError` naming ``what`` if a value is not finite or too large for the ring
+    (``|x| >= 2^(62 - fraction)``): numpy would cast it to an arbitrary word, silently."""
     scaled = np.round(np.asarray(x, dtype=np.float64) * float(1 << fraction))
+    if not np.isfinite(scaled).all() or np.abs(scaled).max(initial=0.0) >= ENCODE_LIMIT:
+        raise ProtocolError(
+            f"{what} is not finite or too large for the ring (|x| >= 2^{62 - fraction} with "
+            f"{fraction} fractional bits)"
+        )
     return scaled.astype(np.int64).view(np.uint64)
 
 

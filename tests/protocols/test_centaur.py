@@ -134,6 +134,16 @@ def plaintext_generate(
 # -- the ring --------------------------------------------------------------------------------
 
 
+def test_encoding_refuses_what_the_ring_cannot_hold() -> None:
+    """A value past 2^(62 - f) or not finite is refused by name (numpy would cast it to an
+    arbitrary word); just inside the limit it round-trips."""
+    inside = np.array([-(2.0**45), 2.0**45 - 1.0, 0.5])
+    assert np.array_equal(decode(encode(inside)), inside)
+    for bad in (2.0**46, -(2.0**46), np.inf, np.nan):
+        with pytest.raises(ProtocolError, match="a score is not finite or too large for the ring"):
+            encode(np.array([1.0, bad]), 16, "a score")
+
+
 def test_fixed_point_product_and_local_truncation_are_within_one_unit() -> None:
     rng = np.random.default_rng(0)
     x, y = rng.normal(0, 4, (64, 32)), rng.normal(0, 1, (32, 16))

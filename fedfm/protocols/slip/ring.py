@@ -27,37 +27,29 @@ import os
 import numpy as np
 
 from fedfm.errors import ConfigError, ProtocolError
+from fedfm.protocols.sharing import decode as ring_decode
+from fedfm.protocols.sharing import encode
 
 ACTIVATION_BITS = 20  # fractional bits of an encoded activation
 WEIGHT_BITS = 20  # fractional bits of David's encoded weights
 PRODUCT_BITS = ACTIVATION_BITS + WEIGHT_BITS
 RING_BITS = 64
 HEADROOM = 2.0 ** (RING_BITS - 1 - PRODUCT_BITS)  # Lemma 2: |W_D a| must stay below this
-_SIGNED_LIMIT = 2.0**62  # encodings stay far from the int64 edges
-
-
-def _encode(values: np.ndarray, bits: int, what: str) -> np.ndarray:
-    scaled = np.rint(np.asarray(values, dtype=np.float64) * 2.0**bits)
-    if not np.isfinite(scaled).all() or np.abs(scaled).max(initial=0.0) >= _SIGNED_LIMIT:
-        raise ProtocolError(
-            f"{what} is not finite or too large for the ring (|x| >= 2^{62 - bits})"
-        )
-    return scaled.astype(np.int64).view(np.uint64)
 
 
 def encode_activations(values: np.ndarray) -> np.ndarray:
     """``values`` (floats) as ring elements at scale ``2**ACTIVATION_BITS``."""
-    return _encode(values, ACTIVATION_BITS, "an activation")
+    return encode(values, ACTIVATION_BITS, "an activation")
 
 
 def encode_weights(values: np.ndarray) -> np.ndarray:
     """David's weights as ring elements at scale ``2**WEIGHT_BITS`` (done once, offline)."""
-    return _encode(values, WEIGHT_BITS, "a weight")
+    return encode(values, WEIGHT_BITS, "a weight")
 
 
 def decode(values: np.ndarray, bits: int = PRODUCT_BITS) -> np.ndarray:
     """Ring elements read as signed integers, divided by ``2**bits`` (float64)."""
-    return np.asarray(values, dtype=np.uint64).view(np.int64).astype(np.float64) / 2.0**bits
+    return ring_decode(values, bits)
 
 
 def decode_weights(values: np.ndarray) -> np.ndarray:
