@@ -218,9 +218,7 @@ def run_full_finetune(
     rng = np.random.default_rng(seed)
     saved = load_state(checkpoint_dir, identity) if checkpoint_dir is not None else None
     if saved is not None:
-        global_state = {
-            k: torch.from_numpy(v).to(target) for k, v in saved.global_arrays.items()
-        }
+        global_state = {k: torch.from_numpy(v).to(target) for k, v in saved.global_arrays.items()}
         history, start_round = saved.history, saved.round + 1
         rng.bit_generator.state = saved.rng_state
         log(f"[fedfm] resuming after round {saved.round} from {checkpoint_dir}")

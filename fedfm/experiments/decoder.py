@@ -56,9 +56,7 @@ def run_train_llm(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        report = train_decoder(
-            source, restart=restart, progress=progress, log=log, device=target
-        )
+        report = train_decoder(source, restart=restart, progress=progress, log=log, device=target)
     finally:
         torch.set_num_threads(previous)
     log(f"[fedfm] decoder {source.name}: {source.path}")

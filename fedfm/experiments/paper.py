@@ -259,9 +259,7 @@ def run_cell(
         if state is None:
             raise ConfigError(f"the run of {method} left no final state in {scratch}")
         with server_model_on(student, "simulate", device):
-            test_accuracy = adapter_test_accuracy(
-                student, state.global_arrays, config, splits.test
-            )
+            test_accuracy = adapter_test_accuracy(student, state.global_arrays, config, splits.test)
     return {
         "method": method,
         "setting": asdict(setting),

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--site-config",
         default="allow-plaintext=true",
-        help="every site's own node config (its privacy policy), e.g. \"min-aggregate=3\" "
+        help='every site\'s own node config (its privacy policy), e.g. "min-aggregate=3" '
         "(default: allow-plaintext=true, for the default simulate backend)",
     )
     args = parser.parse_args(argv)
