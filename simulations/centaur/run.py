@@ -83,7 +83,13 @@ def load_model(name: str, cache: Path) -> Any:
         return minilm_classifier(cache).model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(name, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    except OSError as error:  # nothing is downloaded: a name must be in the local cache
+        raise SystemExit(
+            f"[fedfm] centaur: no model {name!r} in a folder or the local Hugging Face cache "
+            f"(nothing is downloaded; give tiny-bert, minilm or a folder): {error}"
+        ) from None
     loader = (
         AutoModelForCausalLM if config.model_type == "llama" else AutoModelForSequenceClassification
     )

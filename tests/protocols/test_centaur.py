@@ -444,6 +444,19 @@ def test_the_app_toml_matches_the_defaults() -> None:
     }
 
 
+def test_the_app_names_a_model_it_cannot_find_without_downloading(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "fedfm_centaur_run", ROOT / "simulations" / "centaur" / "run.py"
+    )
+    assert spec is not None and spec.loader is not None
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    with pytest.raises(SystemExit, match="no model 'no-such/model' in a folder or the local"):
+        run.load_model("no-such/model", tmp_path)
+
+
 @pytest.mark.slow
 def test_flwr_run_simulation_on_three_supernodes_equals_the_in_process_run(tmp_path: Path) -> None:
     import json
