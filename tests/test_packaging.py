@@ -311,3 +311,21 @@ def test_ci_runs_the_readme_test_command() -> None:
     lanes = re.findall(r'pytest -q -m "([^"]+)"', command)
     assert lanes == ["not slow and not deployment", "slow or deployment"]
     assert re.findall(r'lane "([^"]+)"', ci) == lanes
+
+
+def test_a_data_owners_clientapp_process_does_not_import_timm() -> None:
+    """On the Deployment Engine every message starts a fresh ClientApp process (issue 23): the
+    data owner's app imports torch, its data and the crypto backends, never timm (with
+    torchvision and torch._dynamo, a third of that process's imports), which only the model
+    owner's side needs."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, fedfm_clients.double_blind; "
+        "print(sorted({'timm', 'torchvision'} & set(sys.modules)))"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert completed.stdout.strip() == "[]", completed.stdout + completed.stderr[-2000:]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,7 +33,9 @@ from fedfm.crypto.benes import SwapLayer, benes_layers, drop_identity_layers, pa
 from fedfm.crypto.circuit import Ciphertext, Circuit, ProductSum, evaluate_traced, symbol
 from fedfm.crypto.packing import SlotLayout
 from fedfm.errors import ModelError, ProtocolError
-from fedfm.models.fhe_vit import FheAttention, FheViT
+
+if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
+    from fedfm.models.fhe_vit import FheAttention, FheViT
 
 Tensor = list[list[Ciphertext]]
 

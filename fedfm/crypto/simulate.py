@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,7 +35,9 @@ from fedfm.crypto.backend import (
 from fedfm.crypto.params import CKKS_8192, CkksParameters
 from fedfm.errors import CryptoParameterError, ProtocolError
 from fedfm.models.device import ieee_float32
-from fedfm.models.fhe_vit import FheViT
+
+if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
+    from fedfm.models.fhe_vit import FheViT
 
 NAME = "simulate"
 _KEY_BYTES = 32

@@ -14,12 +14,10 @@ import difflib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import timm
 import torch
 from huggingface_hub import constants as hub_constants
-from timm.models.vision_transformer import VisionTransformer
 
 from fedfm.errors import CheckpointError, ConfigError, ModelError
 from fedfm.hub import hub_unreachable_reason
@@ -29,6 +27,24 @@ from fedfm.models.checkpoints import (
     read_checkpoint,
     save_checkpoint,
 )
+
+if TYPE_CHECKING:
+    from timm.models.vision_transformer import VisionTransformer
+
+
+def _timm() -> Any:
+    """timm, imported when a model is built or named: a data owner's ClientApp process, which
+    starts once per message on the Deployment Engine, never pays for it (seconds of imports)."""
+    import timm
+
+    return timm
+
+
+def _vision_transformer() -> type[VisionTransformer]:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer
+
 
 # Model variants as data (timm style). The tiny default reads 16x16 inputs in 4x4 patches: 16
 # patches + 1 class token (the 8x8 digits lose nothing at 16 px), because under CKKS attention costs
@@ -72,9 +88,9 @@ class ModelSpec:
         check_model_name(self.name)
         if self.embedded:
             config = {**EMBEDDED_VITS[self.name], "img_size": self.img_size}
-            model = VisionTransformer(**config, num_classes=self.num_classes)
+            model = _vision_transformer()(**config, num_classes=self.num_classes)
         else:
-            model = timm.create_model(
+            model = _timm().create_model(
                 self.name, pretrained=False, num_classes=self.num_classes, img_size=self.img_size
             )
         model = _require_vit(model, self.name)
@@ -91,16 +107,17 @@ def native_image_size(name: str) -> int:
     check_model_name(name)
     if name in EMBEDDED_VITS:
         return int(EMBEDDED_VITS[name]["img_size"])
-    return int(timm.get_pretrained_cfg_value(name, "input_size")[-1])
+    return int(_timm().get_pretrained_cfg_value(name, "input_size")[-1])
 
 
 def check_model_name(name: str) -> None:
     """Raise :class:`ModelError` unless ``name`` is an embedded ViT or a timm ViT name."""
     if name in EMBEDDED_VITS:
         return
+    timm = _timm()
     if timm.is_model(name):
         module = timm.models.model_entrypoint(name).__module__
-        if module != VisionTransformer.__module__:
+        if module != _vision_transformer().__module__:
             raise ModelError(
                 f"model {name!r} is defined in {module}; fedfm needs a timm VisionTransformer "
                 "(models from timm.models.vision_transformer)"
@@ -116,7 +133,7 @@ def check_model_name(name: str) -> None:
 
 
 def _require_vit(model: torch.nn.Module, name: str) -> VisionTransformer:
-    if not isinstance(model, VisionTransformer):
+    if not isinstance(model, _vision_transformer()):
         raise ModelError(
             f"model {name!r} is a {type(model).__name__}; fedfm needs a timm VisionTransformer"
         )
@@ -146,7 +163,7 @@ def load_pretrained(spec: ModelSpec, *, checkpoint: str | Path | None = None) ->
     saved_offline = hub_constants.HF_HUB_OFFLINE
     try:
         hub_constants.HF_HUB_OFFLINE = saved_offline or offline
-        model = timm.create_model(
+        model = _timm().create_model(
             spec.name,
             pretrained=True,
             pretrained_cfg_overlay=overlay or None,

@@ -13,11 +13,11 @@ import json
 import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedfm.approx.specs import ApproxConfig
 from fedfm.data import DataSplits, load_splits
 from fedfm.errors import CheckpointError, ConfigError
-from fedfm.models.fhe_vit import FheViT, to_fhe_friendly
 from fedfm.models.foundation import (
     DEFAULT_MODEL,
     ModelSpec,
@@ -27,6 +27,9 @@ from fedfm.models.foundation import (
     read_checkpoint,
     save_checkpoint,
 )
+
+if TYPE_CHECKING:  # built in load_student: timm stays out of processes that only read data
+    from fedfm.models.fhe_vit import FheViT
 
 STUDENT_FORMAT = "fedfm-student/1"
 STUDENT_FILE = "student.pt"
@@ -157,6 +160,8 @@ def load_student(path: str | Path) -> FheViT:
         raise CheckpointError(
             f"student checkpoint {path} has no valid model description"
         ) from error
+    from fedfm.models.fhe_vit import to_fhe_friendly
+
     student = to_fhe_friendly(spec.build(), approx)
     load_state_strict(student, payload["state_dict"], source=f"student checkpoint {path}")
     return student.eval()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,7 +26,6 @@ from fedfm.crypto.randomness import RandomSource
 from fedfm.data import DataSplits, ImageDataset, partition
 from fedfm.errors import ConfigError
 from fedfm.models.device import cpu_only_note, resolve_device
-from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.defaults import FEDERATION
@@ -41,6 +41,9 @@ from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, InProcessTransport
 from fedfm.secagg import KeyAuthentication
+
+if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
+    from fedfm.models.fhe_vit import FheViT
 
 
 @dataclass(frozen=True)

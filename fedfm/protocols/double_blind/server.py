@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,7 +44,6 @@ from fedfm.crypto.backend import (
 )
 from fedfm.crypto.randomness import RandomSource, SecretStream
 from fedfm.errors import InvariantError, ProtocolError
-from fedfm.models.fhe_vit import FheViT
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
@@ -70,6 +69,9 @@ from fedfm.protocols.double_blind.permutation import (
     relative,
 )
 from fedfm.runtime.transport import Envelope
+
+if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
+    from fedfm.models.fhe_vit import FheViT
 
 
 @dataclass(frozen=True)
