@@ -83,9 +83,14 @@ def client_role(context: Context) -> DoubleBlindClient:
         alpha=settings.federation.alpha,
         seed=settings.federation.seed,
     )
-    data = _partitions(settings.student, federation, settings.protocol.eval_fraction)
+
+    def data() -> ClientData:  # loaded by the first message that needs it (not a refresh)
+        return _partitions(settings.student, federation, settings.protocol.eval_fraction)[
+            partition_id
+        ]
+
     return DoubleBlindClient(
-        data[partition_id],
+        data,
         policy=DataOwnerPolicy.from_node_config(own),
         partition_id=partition_id,
         authentication=data_owner_key_authentication(own),

@@ -313,17 +313,17 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert re.findall(r'lane "([^"]+)"', ci) == lanes
 
 
-def test_a_data_owners_clientapp_process_does_not_import_timm() -> None:
+def test_a_data_owners_clientapp_process_imports_neither_timm_nor_scikit_learn() -> None:
     """On the Deployment Engine every message starts a fresh ClientApp process (issue 23): the
-    data owner's app imports torch, its data and the crypto backends, never timm (with
-    torchvision and torch._dynamo, a third of that process's imports), which only the model
-    owner's side needs."""
+    data owner's app imports torch, Flower and the crypto backends at start, never timm (with
+    torchvision and torch._dynamo, which only the model owner's side needs) nor scikit-learn
+    (its data, loaded by the first message that needs it; a refresh does not)."""
     import subprocess
     import sys
 
     probe = (
         "import sys, fedfm_clients.double_blind; "
-        "print(sorted({'timm', 'torchvision'} & set(sys.modules)))"
+        "print(sorted({'timm', 'torchvision', 'sklearn'} & set(sys.modules)))"
     )
     completed = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
 
 from fedfm.data.splitting import RawImages, Source
 
@@ -19,6 +18,10 @@ def digits_source() -> Source:
     Source
         Pixels scaled to [0, 1]; the test set is carved out when splitting.
     """
+    # scikit-learn loads here, not at import: a ClientApp process answering a refresh never
+    # reads its data and should not pay for the import (seconds per message)
+    from sklearn.datasets import load_digits
+
     bunch = load_digits()
     pixels = (bunch.images / _MAX_PIXEL).astype(np.float32)[:, None]  # (N, 1, 8, 8)
     return Source(

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 
 from fedfm.data.dataset import DataSplits, ImageDataset
 from fedfm.data.pixels import to_model_input
@@ -113,6 +112,8 @@ def _take_stratified(
             f"{name}: cannot take {fraction:.0%} of {len(indices)} samples and leave both sides "
             "non-empty; the dataset is too small for these fractions"
         )
+    from sklearn.model_selection import train_test_split  # when splitting, not at import
+
     try:
         taken, rest = train_test_split(
             indices, train_size=count, random_state=seed, stratify=labels[indices]

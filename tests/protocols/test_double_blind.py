@@ -196,6 +196,25 @@ def test_adapter_on_permuted_blocks_equals_unpermuted_computation() -> None:
 # -- roles --------------------------------------------------------------------------------------
 
 
+def test_a_clients_data_is_loaded_once_and_only_when_a_message_needs_it(model, splits) -> None:
+    """The ClientApp hands the client a loader: nothing is loaded to build the role (a refresh
+    never needs the data), the first message that does loads it, later ones reuse it."""
+    calls: list[int] = []
+
+    def load() -> ClientData:
+        calls.append(1)
+        return make_data(splits)
+
+    client = DoubleBlindClient(load, BACKEND, policy=PLAIN, partition_id=0)
+    assert calls == []
+    server = research_server(model, small_config())
+    reply, _ = client.handle(server.setup_request(7), ClientState())
+    server.on_setup(reply)
+    assert calls == [1]
+    client.handle(server.setup_request(7), ClientState())
+    assert calls == [1] and client.data.num_classes == 10
+
+
 def test_setup_keeps_secrets_on_the_client(model, splits) -> None:
     server, _, state = setup_pair(model, splits)
     secret = bytes(state.group("key")["secret"])

@@ -33,6 +33,7 @@ the SecAgg stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -245,7 +246,8 @@ class DoubleBlindClient:
     Parameters
     ----------
     data:
-        The data owner's private images and labels.
+        The data owner's private images and labels, or a function that loads them (called
+        once, at the first message that needs them).
     backend:
         The crypto backend the data owner encrypts with; ``None`` takes the one the server's
         setup names (by its registered name), if ``policy`` allows it.
@@ -264,7 +266,7 @@ class DoubleBlindClient:
 
     def __init__(
         self,
-        data: ClientData,
+        data: ClientData | Callable[[], ClientData],
         backend: CryptoBackend | None = None,
         *,
         policy: DataOwnerPolicy | None = None,
@@ -272,12 +274,20 @@ class DoubleBlindClient:
         authentication: KeyAuthentication | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self.data = data
+        self._data = data
         self.device = device if device is not None else torch.device("cpu")
         self._backend = backend
         self.policy = policy or DataOwnerPolicy()
         self.partition_id = partition_id
         self.authentication = authentication
+
+    @property
+    def data(self) -> ClientData:
+        """The data owner's data; a callable given for it is called once, when first needed
+        (a ClientApp process that only answers a refresh never loads it)."""
+        if not isinstance(self._data, ClientData):
+            self._data = self._data()
+        return self._data
 
     def backend_for(self, name: str) -> CryptoBackend:
         """The backend called ``name``: the data owner's own if it set one (which must match)."""
