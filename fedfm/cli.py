@@ -16,9 +16,9 @@
 ``fedfm centaur-accuracy``  CENTAUR's Table 2: plaintext, CENTAUR, MPCFormer quadratics.
 ``fedfm centaur-attacks``  CENTAUR's Table 1 and the cloud's attacks, faithful and hardened.
 
-The double-blind commands (``distill``, ``adapt``, ``paper``, the ``bench*`` and ``red-team``),
-HELIX's and ``train-llm`` take ``--device auto|cpu|cuda|cuda:N`` (default ``auto``: a GPU when
-torch sees one); CKKS always runs on the CPU.
+The double-blind commands (``distill``, ``adapt``, ``paper``, ``bench-protocol``, ``red-team``,
+...), HELIX's and ``train-llm`` take ``--device auto|cpu|cuda|cuda:N`` (default ``auto``: a GPU
+when torch sees one); CKKS always runs on the CPU.
 
 Errors fedfm raises on purpose are printed as one line (``fedfm: error: ...``), exit status 2.
 """
