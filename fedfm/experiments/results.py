@@ -59,13 +59,13 @@ def _cell(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return str(value).replace("|", "\\|")  # a bare pipe would end the cell
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
     """Rows as a Markdown table; ``columns`` are ``(key, header)`` pairs."""
     lines = [
-        "| " + " | ".join(header for _, header in columns) + " |",
+        "| " + " | ".join(_cell(header) for _, header in columns) + " |",
         "| " + " | ".join("---" for _ in columns) + " |",
     ]
     lines += ["| " + " | ".join(_cell(row.get(key)) for key, _ in columns) + " |" for row in rows]
