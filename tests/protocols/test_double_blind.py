@@ -464,6 +464,10 @@ def test_evaluate_every_skips_evaluations_but_not_the_last(model, splits) -> Non
     assert np.isnan(history[0].balanced_accuracy) and np.isnan(history[0].accuracy)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history[1:])
     assert [record.round_trips for record in history] == [shown + 5] + [2 * shown + 5] * 2
+    # where a round's time went: inside the round trips (clients and messages) and the rest
+    for record in history:
+        assert 0.0 < record.median_round_trip_seconds <= record.transport_seconds
+        assert record.transport_seconds < record.seconds
     with pytest.raises(ConfigError, match="evaluate_every must be >= 1"):
         small_config(evaluate_every=0)
     assert "evaluate_every" not in config.client_settings()  # the server's schedule
