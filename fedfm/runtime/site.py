@@ -40,6 +40,7 @@ import socket
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,9 @@ _LENGTH_BYTES = 8
 MAX_FRAME_BYTES = 1 << 34  # 16 GiB: far above any message, refuses garbage lengths
 # A Unix socket path is limited to 108 bytes (sun_path) on Linux, the terminating zero included.
 MAX_SOCKET_PATH = 107
+# Runs whose role and state a site keeps in memory; older ones reload their state from disk
+# (and rebuild their role) when a message comes for them again.
+RUNS_IN_MEMORY = 4
 # How long the site waits for a connected ClientApp to send its request (a client that connects
 # and stalls must not block the next message).
 REQUEST_SECONDS = 60.0
@@ -360,7 +364,7 @@ class Site(Generic[StateT]):
         self._role_for_run = role_for_run
         self._state_type = state_type
         self._opening = None if opening is None else frozenset(opening)
-        self._roles: dict[int, NodeRole[Any]] = {}
+        self._roles: OrderedDict[int, NodeRole[Any]] = OrderedDict()
         self._states: dict[int, StateT] = {}
         self._log = log
         self.answered = 0
@@ -413,6 +417,10 @@ class Site(Generic[StateT]):
         role = self._roles.get(run_id)
         if role is None:
             role = self._roles[run_id] = self._role_for_run(run_config)
+        self._roles.move_to_end(run_id)
+        while len(self._roles) > RUNS_IN_MEMORY:  # the least recently served run leaves memory
+            old, _ = self._roles.popitem(last=False)
+            self._states.pop(old, None)
         try:
             reply, new_state = role.handle(envelope, state)
         except ProtocolAbort as error:

@@ -291,3 +291,13 @@ def test_the_clientapp_forwards_to_the_site_named_by_its_node_config(
     assert refused.has_error() and "x = -1 is negative" in refused.error.reason
     down = deliver(request(ADD, 1), {"site-dir": str(folder.parent / "nowhere")})
     assert down.has_error() and "does not exist" in down.error.reason
+
+
+def test_a_site_keeps_only_recent_runs_in_memory_and_reloads_an_older_one(
+    running: Running, folder: Path
+) -> None:
+    for run_id in range(1, site.RUNS_IN_MEMORY + 3):
+        send(folder, request(OPEN), run_id=run_id)
+        send(folder, request(ADD, run_id), run_id=run_id)
+    assert len(running.site._roles) == site.RUNS_IN_MEMORY and 1 not in running.site._states
+    assert send(folder, request(ADD, 10), run_id=1).arrays["total"][0] == 11
