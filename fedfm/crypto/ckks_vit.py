@@ -253,7 +253,11 @@ def layer_norm(
     ]
     u = symbol()
     inv_std = yield from evaluate_traced(
-        circuit, evaluate_inv_sqrt(norm.spec, u), {u: variance}, f"{place}/inv_sqrt"
+        circuit,
+        evaluate_inv_sqrt(norm.spec, u),
+        {u: variance},
+        f"{place}/inv_sqrt",
+        output_headroom=1,  # for the product with centred below
     )
     tensors = yield from circuit.ensure([_flat(centred), inv_std], 1, place)
     centred, inv_std = _shape(tensors[0], dim), tensors[1]
@@ -394,7 +398,7 @@ def _head_weights(
         )
     a = symbol()
     numerators = yield from evaluate_traced(
-        circuit, polyval(softmax.exp_spec, a), {a: masked}, f"{place}/exp"
+        circuit, polyval(softmax.exp_spec, a), {a: masked}, f"{place}/exp", output_headroom=1
     )
     bound = _bound(softmax)
     scaled = []
@@ -412,10 +416,19 @@ def _head_weights(
         )
         for c, ct in enumerate(scaled)
     ]
-    s = symbol()
+    s, n = symbol(), symbol()
+    # The numerators wait for the inverse: planned with it, they may travel in one of its
+    # refreshes, so that the weights keep the level their products with the values need.
+    inputs = {s: scaled, n: numerators}
     inverse = yield from evaluate_traced(
-        circuit, evaluate_inverse(softmax.inverse_spec, s), {s: scaled}, f"{place}/inverse"
+        circuit,
+        evaluate_inverse(softmax.inverse_spec, s),
+        inputs,
+        f"{place}/inverse",
+        output_headroom=2,
+        keep={n: 2},
     )
+    numerators = inputs[n]
     numerators, inverse = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
     # i // tokens = c: each ciphertext's normaliser weights its numerators
     weights = [circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)]
@@ -499,7 +512,11 @@ def mlp(
     hidden = folded_linear(circuit, layout, fc1, normed) if folded else linear(circuit, fc1, normed)
     h = symbol()
     activated = yield from evaluate_traced(
-        circuit, polyval(block.mlp.act.spec, h), {h: _flat(hidden)}, f"{place}/gelu"
+        circuit,
+        polyval(block.mlp.act.spec, h),
+        {h: _flat(hidden)},
+        f"{place}/gelu",
+        output_headroom=1,  # for fc2
     )
     (activated,) = yield from circuit.ensure([activated], 1, f"{place}/fc2")
     activated_tensor = _shape(activated, len(hidden))
