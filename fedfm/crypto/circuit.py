@@ -512,11 +512,11 @@ def evaluate_traced(
     A product whose operand has no headroom refreshes that operand's whole tensor first, and in
     the same round trip the other live values whose refresh saves a later round trip
     (:func:`fedfm.crypto.schedule.choose_refresh`). ``output_headroom`` is the headroom the
-    caller's next operation needs of the result: the schedule plans for it, and the result is
-    refreshed at the end if it still lacks it. ``keep`` maps inputs the caller uses afterwards
-    (they need not take part in ``output``) to the headroom it needs of them: they are planned
-    for the same way, and their tensors in ``inputs`` replaced by the refreshed ones if they
-    were refreshed (the only change made to ``inputs``).
+    caller's next operation needs of the result (at most what a refresh gives): the schedule
+    plans for it, and the result is refreshed at the end if it still lacks it. ``keep`` maps
+    inputs the caller uses afterwards (they need not take part in ``output``) to the headroom
+    it needs of them: they are planned for the same way, and their tensors in ``inputs``
+    replaced by the refreshed ones if they were refreshed (the only change made to ``inputs``).
     """
     memo: dict[int, list[Ciphertext]] = {id(node): cts for node, cts in inputs.items()}
     order: list[Traced] = []
@@ -549,8 +549,9 @@ def evaluate_traced(
         raise ProtocolError("internal: only inputs of a traced polynomial can be kept")
     visit(output)
     full = circuit.full_headroom
-    needs = {id(node): need for node, need in kept.items()}
-    needs[id(output)] = max(output_headroom, needs.get(id(output), 0))
+    # a refresh gives no more than full headroom: a greater need is met by the next refresh
+    needs = {id(node): min(need, full) for node, need in kept.items()}
+    needs[id(output)] = min(max(output_headroom, needs.get(id(output), 0)), full)
     last = last_uses(order, needs)
     headroom = {key: lowest(key) for key in memo}
     sizes = {key: len(cts) for key, cts in memo.items()}
