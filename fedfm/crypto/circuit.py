@@ -40,9 +40,9 @@ import numpy as np
 import tenseal as ts
 import tenseal.sealapi as sealapi
 
-from fedfm.crypto.backend import Work
+from fedfm.crypto.backend import Work, drive
 from fedfm.crypto.rns_linear import linear_map
-from fedfm.crypto.schedule import choose_refresh, last_uses, short
+from fedfm.crypto.schedule import LevelCircuit, LevelStats, choose_refresh, last_uses, short
 from fedfm.crypto.seal_raw import SealIO, dumps
 from fedfm.crypto.workers import CONTEXTS_PER_WORKER
 from fedfm.errors import CryptoParameterError, ProtocolError
@@ -571,6 +571,37 @@ def evaluate_traced(
     for node in kept:
         inputs[node] = memo[id(node)]
     return memo[id(output)]
+
+
+def dry_run(
+    output: Traced,
+    inputs: dict[Any, int],
+    full: int,
+    *,
+    output_headroom: int = 0,
+    keep: dict[Any, int] | None = None,
+    copies: int | dict[Any, int] = 1,
+) -> LevelStats:
+    """A level-only dry run (:class:`~fedfm.crypto.schedule.LevelCircuit`): round trips and
+    refreshed ciphertexts of evaluating the traced ``output`` from inputs
+    at the given headrooms (``copies`` ciphertexts per tensor, or per input); ``keep`` as for
+    :func:`~fedfm.crypto.circuit.evaluate_traced`."""
+    circuit = LevelCircuit(full)
+    drive(
+        evaluate_traced(
+            circuit,  # type: ignore[arg-type]
+            output,
+            {
+                node: [room] * (copies if isinstance(copies, int) else copies[node])
+                for node, room in inputs.items()
+            },
+            "dry run",
+            output_headroom=output_headroom,
+            keep=keep,
+        ),
+        lambda items: items,
+    )
+    return circuit.stats
 
 
 def _apply(circuit: Circuit, node: Traced, *cts: Ciphertext) -> Ciphertext:

@@ -12,14 +12,14 @@ value. The inputs here are the node's headrooms alone, so the choice is a determ
 of the public circuit (it never depends on data).
 
 :class:`LevelCircuit` runs :func:`~fedfm.crypto.circuit.evaluate_traced` on integers standing for
-ciphertexts (their headroom): a dry run that counts round trips and refreshed ciphertexts of a
-schedule without TenSEAL and refuses a product of an operand without headroom, as
-:class:`~fedfm.crypto.circuit.Circuit` does.
+ciphertexts (their headroom; :func:`fedfm.crypto.circuit.dry_run`): a dry run that counts round
+trips and refreshed ciphertexts of a schedule without TenSEAL and refuses a product of an
+operand without headroom, as :class:`~fedfm.crypto.circuit.Circuit` does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any, Protocol
@@ -213,36 +213,3 @@ class LevelCircuit:
 
     def negate(self, ct: int) -> int:
         return ct
-
-
-def dry_run(
-    output: Hashable,
-    inputs: dict[Any, int],
-    full: int,
-    *,
-    output_headroom: int = 0,
-    keep: dict[Any, int] | None = None,
-    copies: int | dict[Any, int] = 1,
-) -> LevelStats:
-    """Round trips and refreshed ciphertexts of evaluating the traced ``output`` from inputs
-    at the given headrooms (``copies`` ciphertexts per tensor, or per input); ``keep`` as for
-    :func:`~fedfm.crypto.circuit.evaluate_traced`."""
-    from fedfm.crypto.backend import drive
-    from fedfm.crypto.circuit import evaluate_traced
-
-    circuit = LevelCircuit(full)
-    drive(
-        evaluate_traced(
-            circuit,  # type: ignore[arg-type]
-            output,  # type: ignore[arg-type]
-            {
-                node: [room] * (copies if isinstance(copies, int) else copies[node])
-                for node, room in inputs.items()
-            },
-            "dry run",
-            output_headroom=output_headroom,
-            keep=keep,
-        ),
-        lambda items: items,
-    )
-    return circuit.stats

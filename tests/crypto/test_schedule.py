@@ -16,8 +16,8 @@ import pytest
 from fedfm.approx.evaluate import evaluate_inv_sqrt, evaluate_inverse, polyval
 from fedfm.approx.specs import ApproxConfig
 from fedfm.crypto.backend import drive
-from fedfm.crypto.circuit import Traced, evaluate_traced, symbol
-from fedfm.crypto.schedule import LevelCircuit, choose_refresh, dry_run, last_uses
+from fedfm.crypto.circuit import Traced, dry_run, evaluate_traced, symbol
+from fedfm.crypto.schedule import LevelCircuit, choose_refresh, last_uses
 from fedfm.errors import InvariantError
 
 FULL = 5  # CKKS_16384: rescales between refreshes
