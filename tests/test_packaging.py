@@ -31,7 +31,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 # Inside fedfm.crypto (its __init__ docstring explains them): a module imports crypto modules of
 # its own layer or below, never above.
 CRYPTO_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("randomness", "backend", "simulate", "params"),
+    ("randomness", "backend", "simulate", "params", "schedule"),
     ("seal_memory", "seal_raw", "rns_linear"),
     ("workers", "refresh", "circuit"),
     ("packing", "benes", "ckks_vit"),
