@@ -49,7 +49,8 @@ def _deploy_module(name: str) -> ModuleType:
     if str(DEPLOY) not in sys.path:
         sys.path.insert(0, str(DEPLOY))  # local_federation imports its sibling `certificates`
     spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path} cannot be loaded as a module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -144,7 +145,9 @@ def deployment_round(
         federation.wait_for_nodes(clients)
         started = time.perf_counter()
         run_id = federation.submit(config)
-        status = federation.wait_for_run(run_id, seconds=seconds)
+        # each poll starts a `flwr ls` process (seconds of CPU on 2 cores): rarely, the round's
+        # own time comes from the server's record, not from this wait
+        status = federation.wait_for_run(run_id, seconds=seconds, poll=15.0)
         wall = time.perf_counter() - started
         if status != "finished:completed":
             raise ConfigError(
