@@ -10,7 +10,7 @@ SecAgg stages, the client's update and its SecAgg secrets. A message the protoco
 error reply and leaves ``context.state`` as it was.
 
 With ``site-dir`` in its node config, a data owner answers every message in its long-lived site
-process instead (``fedfm site serve``, :mod:`fedfm.runtime.site`): this module imports nothing
+process instead (``fedfm site``, :mod:`fedfm.runtime.site`): this module imports nothing
 heavy, and the role, keys and data stay in that process's memory.
 
 The client's data: partition ``partition-id`` of ``num-partitions`` (node config; simulation
@@ -76,7 +76,7 @@ def load_state(record_dict: RecordDict) -> ClientState:
 
 
 # A site's node config may name `site-dir`: then every message goes to the data owner's
-# long-lived site process (`fedfm site serve`), which keeps the role, keys and data in memory.
+# long-lived site process (`fedfm site`), which keeps the role, keys and data in memory.
 app = make_client_app(
     client_role,
     state_type,

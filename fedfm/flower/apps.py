@@ -43,7 +43,7 @@ from fedfm.runtime import site
 from fedfm.runtime.transport import NodeRole, StateT
 
 RoleOf = Callable[[Context], NodeRole[StateT]]
-# The node config key naming the data owner's site folder (``fedfm site serve --dir``).
+# The node config key naming the data owner's site folder (``fedfm site --dir``).
 SITE_DIR = "site-dir"
 # How long a ClientApp waits for its site's answer (node config ``site-timeout``, seconds): a
 # site that hangs must not hold the message longer than the server waits for it.
@@ -114,7 +114,7 @@ def make_client_app(
     """A ClientApp answering ``message_types`` with the role ``role_of(context)`` gives.
 
     If the node config names a site folder (``site-dir``), the ClientApp only forwards each
-    message to the data owner's site process there (``fedfm site serve``), which holds the role
+    message to the data owner's site process there (``fedfm site``), which holds the role
     and its state; ``role_of`` and ``state_type`` are then not used in this process.
 
     Parameters

@@ -285,7 +285,7 @@ def forward(
     if not paths.socket.exists():
         raise SiteError(
             f"no site process is listening in {paths.folder} (no {SOCKET_NAME}): start it with "
-            f"`fedfm site serve --dir {paths.folder} ...`"
+            f"`fedfm site --dir {paths.folder} ...`"
         )
     _owner_only(paths.socket, "site socket", folder=False)
     header = {
@@ -305,7 +305,7 @@ def forward(
         except (ConnectionRefusedError, FileNotFoundError):
             raise SiteError(
                 f"the site process in {paths.folder} is down (its socket refuses connections): "
-                f"restart it with `fedfm site serve --dir {paths.folder} ...`"
+                f"restart it with `fedfm site --dir {paths.folder} ...`"
             ) from None
         try:
             hello = _receive_exactly(connection, len(MAGIC) + NONCE_BYTES)

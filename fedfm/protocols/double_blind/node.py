@@ -1,7 +1,7 @@
 """A data owner's role for one run, from the run config and the data owner's own node config.
 
 One function for both places a data owner runs: the ClientApp (:mod:`fedfm_clients.double_blind`,
-from a Flower ``Context``) and the long-lived site process (``fedfm site serve``,
+from a Flower ``Context``) and the long-lived site process (``fedfm site``,
 :mod:`fedfm.runtime.site`), which holds the role across messages.
 """
 
