@@ -463,6 +463,11 @@ class Site(Generic[StateT]):
             reason = f"{type(error).__name__}: {error}"
             self._log(f"[site] run {run_id}: refused {request.message_type}: {reason}")
             answer, reply_arrays = {"ok": False, "reason": reason}, {}
+        except Exception as error:  # a bug in the role must not end the long-lived site
+            _LOG.exception("the role failed on %s of run %d", request.message_type, run_id)
+            reason = f"internal error in the site's role: {type(error).__name__}: {error}"
+            self._log(f"[site] run {run_id}: failed {request.message_type}: {reason}")
+            answer, reply_arrays = {"ok": False, "reason": reason}, {}
         self.answered += 1
         self._log(
             f"[site] run {run_id}: answered {request.message_type} (round {request.round}) in "

@@ -59,6 +59,8 @@ class Counter:
             raise ProtocolAbort("leaving", state=CounterState(-1, state.secret))
         else:
             x = int(envelope.arrays["x"][0])
+            if x == 13:
+                raise RuntimeError("a bug in the role")
             if x < 0:
                 raise ProtocolError(f"x = {x} is negative")
             state = CounterState(state.total + self.scale * x, state.secret)
@@ -164,6 +166,10 @@ def test_a_refusal_names_the_roles_error_and_keeps_the_state_an_abort_saves_its_
     with pytest.raises(SiteRefusal, match="ProtocolError: x = -1 is negative"):
         send(folder, request(ADD, -1))
     assert send(folder, request(ADD, 1)).arrays["total"][0] == 3
+    # a bug in the role (not a refusal) is reported and the site serves the next message
+    with pytest.raises(SiteRefusal, match="internal error in the site's role: RuntimeError"):
+        send(folder, request(ADD, 13))
+    assert send(folder, request(ADD, 1)).arrays["total"][0] == 4
     with pytest.raises(SiteRefusal, match="ProtocolAbort: leaving"):
         send(folder, request(LEAVE))
     assert running.site._states[1].total == -1
