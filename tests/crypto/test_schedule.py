@@ -47,8 +47,8 @@ def _depth(node: Traced, memo: dict[int, int] | None = None) -> int:
     return memo[id(node)]
 
 
-def _greedy_round_trips(output: Traced, x: Traced, headroom: int, need: int) -> int:
-    """Round trips of the operand-only schedule (reimplemented here on headrooms)."""
+def _operations(output: Traced, x: Traced) -> list[Traced]:
+    """The traced operations below ``output`` in evaluation order (input ``x`` left out)."""
     order: list[Traced] = []
     seen = {id(x)}
 
@@ -60,6 +60,12 @@ def _greedy_round_trips(output: Traced, x: Traced, headroom: int, need: int) -> 
         order.append(node)
 
     visit(output)
+    return order
+
+
+def _greedy_round_trips(output: Traced, x: Traced, headroom: int, need: int) -> int:
+    """Round trips of the operand-only schedule (reimplemented here on headrooms)."""
+    order = _operations(output, x)
     rooms = {id(x): headroom}
     trips = 0
     for node in order:
@@ -131,17 +137,7 @@ def test_extra_refreshes_only_when_they_save_a_round_trip() -> None:
 def test_choose_refresh_keeps_forced_operands_and_live_values_only() -> None:
     """The chosen set holds the operand that ran out and only values read later."""
     x, output = _traces()["inv_sqrt"]
-    order: list[Traced] = []
-    seen = {id(x)}
-
-    def visit(node: Traced) -> None:
-        for arg in node.args:
-            if id(arg) not in seen:
-                seen.add(id(arg))
-                visit(arg)
-        order.append(node)
-
-    visit(output)
+    order = _operations(output, x)
     needs = {id(output): 1}
     last = last_uses(order, needs)
     rooms: dict[int, int] = {id(x): 0}

@@ -188,13 +188,19 @@ def test_a_client_without_the_sites_key_gets_no_answer_and_the_site_keeps_servin
     assert running.site._states[1].total == 1
 
 
+def listening_without_the_key(folder: Path) -> socket.socket:
+    """A socket bound where the site's would be (owner-only), by a process without the key."""
+    site.prepare_site_folder(folder)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(folder / "site.sock"))
+    (folder / "site.sock").chmod(0o600)
+    listener.listen(1)
+    return listener
+
+
 def test_an_answer_that_fails_authentication_is_refused(folder: Path) -> None:
     """A process that bound the socket without the key cannot answer in the site's name."""
-    site.prepare_site_folder(folder)
-    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    impostor.bind(str(folder / "site.sock"))
-    (folder / "site.sock").chmod(0o600)
-    impostor.listen(1)
+    impostor = listening_without_the_key(folder)
 
     def answer() -> None:
         connection, _ = impostor.accept()
@@ -216,11 +222,7 @@ def test_an_answer_that_fails_authentication_is_refused(folder: Path) -> None:
 
 def test_a_site_killed_with_a_message_in_flight_fails_that_message_quickly(folder: Path) -> None:
     """The site reads the request and dies before answering: the ClientApp's error names it."""
-    site.prepare_site_folder(folder)
-    dying = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    dying.bind(str(folder / "site.sock"))
-    (folder / "site.sock").chmod(0o600)
-    dying.listen(1)
+    dying = listening_without_the_key(folder)
 
     def die() -> None:
         connection, _ = dying.accept()
