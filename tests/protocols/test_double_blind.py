@@ -292,7 +292,8 @@ def _evaluate(server, client, state, server_round, arrays):
 def test_later_evaluations_use_the_outputs_the_client_kept(model, splits) -> None:
     """The frozen blocks' outputs on the held-out set are sent once: a later evaluation is one
     ``evaluate.cached`` message with the new head, and scores it as a full evaluation would."""
-    server, client, state = setup_pair(model, splits)
+    config = small_config(rounds=4)
+    server, client, state = setup_pair(model, splits, config)
     first = server.initial_arrays(96)
     noise = np.random.default_rng(0)  # another head: the initial one predicts a single class
     second = {k: v + noise.normal(0, 0.5, v.shape).astype(v.dtype) for k, v in first.items()}
@@ -303,7 +304,7 @@ def test_later_evaluations_use_the_outputs_the_client_kept(model, splits) -> Non
     seen, kept, kept_state = _evaluate(server, client, state, 2, second)
     assert seen == [EVALUATE_CACHED]
     # the same scores as a full evaluation of the second head (a fresh client and server)
-    server_b, client_b, state_b = setup_pair(model, splits)
+    server_b, client_b, state_b = setup_pair(model, splits, config)
     _, reference, _ = _evaluate(server_b, client_b, state_b, 1, second)
     np.testing.assert_array_equal(kept.confusion, reference.confusion)
     assert not np.array_equal(full.confusion, kept.confusion)  # the head did change the scores
@@ -316,6 +317,9 @@ def test_later_evaluations_use_the_outputs_the_client_kept(model, splits) -> Non
     later = replace(request, round=3)
     with pytest.raises(ProtocolAbort, match="round 3 is past the policy's max-rounds=2"):
         bounded.handle(later, kept_state)
+    # and the run's rounds, announced at setup, bound them by default
+    with pytest.raises(ProtocolAbort, match="round 5 is past the 4 rounds the server announced"):
+        client.handle(replace(request, round=5), kept_state)
     # a client that lost its copy (a new key: setup again) says so, and the server evaluates in
     # full in the same round
     reply, fresh = client.handle(server.setup_request(7), kept_state)

@@ -433,10 +433,9 @@ class DoubleBlindClient:
                     f"train.block 1 of round {server_round}: this client already took part in "
                     f"round {done} (rounds only move forward; a round is trained once)"
                 )
-            self.policy.check_round(server_round)
         else:
             _check_evaluation_round(EVALUATE_BLOCK, server_round, state)
-            self.policy.check_round(server_round)
+        self._check_round(server_round, state)
         self.policy.check_blocks(request.num_blocks)
         if not request.global_arrays:
             raise ProtocolError(f"{request.message_type} block 1 lacks the global adapter")
@@ -458,6 +457,17 @@ class DoubleBlindClient:
             arrays=arrays,
             **counters,
         )
+
+    def _check_round(self, server_round: int, state: ClientState) -> None:
+        """A round within the run the server announced at setup and within this data owner's
+        ``max-rounds``: an evaluation on kept outputs costs the server nothing, so without a
+        bound it could ask for confusion matrices under heads of its choosing at will."""
+        announced = DoubleBlindConfig.from_config(state.config).rounds
+        if server_round > announced:
+            raise ProtocolError(
+                f"round {server_round} is past the {announced} rounds the server announced at setup"
+            )
+        self.policy.check_round(server_round)
 
     def _check_batch_sizes(
         self, request: BlockRequest, kind: str, config: DoubleBlindConfig
@@ -589,7 +599,7 @@ class DoubleBlindClient:
             lost: dict[str, Any] = {"kept": False}
             return Envelope(EVALUATE_CACHED, envelope.node_id, envelope.round, config=lost), state
         _check_evaluation_round(EVALUATE_CACHED, envelope.round, state)
-        self.policy.check_round(envelope.round)
+        self._check_round(envelope.round, state)
         global_arrays = unpack_arrays(envelope, "global")
         if not global_arrays:
             raise ProtocolError(f"{EVALUATE_CACHED} lacks the global adapter")
