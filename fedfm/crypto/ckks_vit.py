@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from torch import nn
 
 from fedfm.approx.evaluate import evaluate_inv_sqrt, evaluate_inverse, polyval
 from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax
+from fedfm.approx.specs import PolySpec
 from fedfm.crypto.backend import Work, lockstep
 from fedfm.crypto.benes import SwapLayer, benes_layers, drop_identity_layers, pad_permutation
 from fedfm.crypto.circuit import Ciphertext, Circuit, ProductSum, evaluate_traced, symbol
@@ -44,6 +45,30 @@ def _array(parameter: torch.Tensor | None, size: int) -> np.ndarray:
     if parameter is None:
         return np.zeros(size)
     return parameter.detach().double().numpy().copy()
+
+
+# The softmax's exponential runs on logits / SOFTMAX_INPUT_SCALE with its output divided by
+# SOFTMAX_OUTPUT_SCALE (coefficients c_k s^k / o: the same polynomial, no extra level): the
+# distilled student's logits reach 17, where x^6 is 2^24.5 and the numerators 2^15.5, beyond a
+# masked refresh's calibrated bound (2^REFRESH_VALUE_BITS); scaled, every power, term and sum stays
+# below 2^13 on all digits (docs/ckks.md, "Masked refreshes"). The softmax is invariant to the
+# numerators' scale; the normaliser's bound and the projection's 1/bound carry the factor.
+SOFTMAX_INPUT_SCALE = 4.0
+SOFTMAX_OUTPUT_SCALE = 16.0
+
+
+def _scaled_exp(spec: PolySpec) -> PolySpec:
+    """``p(s y) / o`` as a polynomial in ``y = x / s``: what the circuit evaluates for ``p(x)``."""
+    return replace(
+        spec,
+        name=f"{spec.name}(x/{SOFTMAX_INPUT_SCALE:g})/{SOFTMAX_OUTPUT_SCALE:g}",
+        coefficients=tuple(
+            c * SOFTMAX_INPUT_SCALE**k / SOFTMAX_OUTPUT_SCALE
+            for k, c in enumerate(spec.coefficients)
+        ),
+        domain=(spec.domain[0] / SOFTMAX_INPUT_SCALE, spec.domain[1] / SOFTMAX_INPUT_SCALE),
+        max_abs_error=spec.max_abs_error / SOFTMAX_OUTPUT_SCALE,
+    )
 
 
 def _bound(module: ApproxLayerNorm | ApproxSoftmax) -> float:
@@ -325,10 +350,10 @@ def attention(
     heads_out = circuit.spread(_head_values, weighted, layout=layout)
     out = [feature for head in heads_out for feature in head]
     (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
-    # 1/bound of the softmax is folded into the projection.
-    return linear(
-        circuit, Linear.of(attn.proj).on_scaled_input(1.0 / _bound(softmax)), _shape(flat, dim)
-    )
+    # 1/bound of the softmax (its numerators were divided by SOFTMAX_OUTPUT_SCALE) is folded
+    # into the projection.
+    unscale = SOFTMAX_OUTPUT_SCALE / _bound(softmax)
+    return linear(circuit, Linear.of(attn.proj).on_scaled_input(unscale), _shape(flat, dim))
 
 
 # One attention head in three parts: logits and the weighted sum of values need no refresh (and
@@ -392,24 +417,26 @@ def _head_weights(
     last = layout.last_token(samples) if layout.wraps else None
     logits, backwards = yield from circuit.ensure([logits, backwards], 1, f"{place}/mask")
     masked = []
+    shrink = 1.0 / SOFTMAX_INPUT_SCALE  # in the mask's product: no level of its own
     for i, ct in enumerate(logits):
         c, d = divmod(i, tokens)
         if last is None or d < tokens - 1:
-            masked.append(circuit.masked_sum([(ct, ("valid", samples, c), valid[c])]))
+            masked.append(circuit.masked_sum([(ct, ("valid/s", samples, c), valid[c] * shrink)]))
             continue
         masked.append(
             circuit.masked_sum(
                 [
-                    (ct, ("valid but last", samples, c), valid[c] - last[c]),
-                    (backwards[c], ("last", samples, c), last[c]),
+                    (ct, ("valid but last/s", samples, c), (valid[c] - last[c]) * shrink),
+                    (backwards[c], ("last/s", samples, c), last[c] * shrink),
                 ]
             )
         )
     a = symbol()
+    exp = _scaled_exp(softmax.exp_spec)
     numerators = yield from evaluate_traced(
-        circuit, polyval(softmax.exp_spec, a), {a: masked}, f"{place}/exp", output_headroom=1
+        circuit, polyval(exp, a), {a: masked}, f"{place}/exp", output_headroom=1
     )
-    bound = _bound(softmax)
+    bound = _bound(softmax) / SOFTMAX_OUTPUT_SCALE  # of the scaled numerators' sum
     scaled = []
     for c in range(count):
         total = numerators[c * tokens]

@@ -388,3 +388,22 @@ def test_bench_ckks_writes_cost_error_and_the_headline_figure(tmp_path) -> None:
         run_ckks_benchmark(run, backend_name="ckks-8192", repeats=0, results_dir=tmp_path)
     with pytest.raises(ConfigError, match="batch sizes must be >= 1"):
         run_ckks_benchmark(run, backend_name="ckks-8192", batch_sizes=(0,))
+
+
+def test_the_exponential_runs_scaled_down_so_refreshed_values_stay_in_the_bound() -> None:
+    """The circuit evaluates ``p(x) / o`` as a polynomial in ``x / s``: the same values divided
+    by ``o``, while the powers it refreshes are those of ``x / s`` (at logits of 17, ``x^6`` alone
+    is 2^24.5, far beyond the refresh's calibrated 2^14)."""
+    from fedfm.approx.evaluate import polyval
+    from fedfm.approx.specs import taylor_exp
+    from fedfm.crypto.ckks_vit import SOFTMAX_INPUT_SCALE, SOFTMAX_OUTPUT_SCALE, _scaled_exp
+
+    spec = taylor_exp(6)
+    scaled = _scaled_exp(spec)
+    x = np.linspace(-17.0, 17.0, 101)
+    np.testing.assert_allclose(
+        polyval(scaled, x / SOFTMAX_INPUT_SCALE),
+        polyval(spec, x) / SOFTMAX_OUTPUT_SCALE,
+        rtol=1e-12,
+    )
+    assert np.abs(x / SOFTMAX_INPUT_SCALE).max() ** 6 < 2**13 < np.abs(x).max() ** 6
