@@ -30,7 +30,7 @@ from torch import nn
 
 from fedfm.approx.evaluate import check_domain, evaluate_inv_sqrt, evaluate_inverse, polyval
 from fedfm.approx.specs import GoldschmidtInverseSpec, NewtonInvSqrtSpec, PolySpec
-from fedfm.errors import ApproximationDomainError, ConfigError
+from fedfm.errors import ApproximationDomainError, ConfigError, ModelError
 
 DomainPolicy = Literal["clamp", "raise"]
 _POLICIES = ("clamp", "raise")
@@ -101,13 +101,27 @@ class ApproxSoftmax(_Calibrated):
         self.exp_spec = exp_spec
         self.inverse_spec = inverse_spec
 
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Softmax over the last axis; ``keep`` (boolean, broadcastable to ``logits``) marks the
+        entries that take part, the others (padding keys) get weight exactly zero.
+
+        An additive ``-inf`` mask only works with the exact exponential: the Taylor polynomial
+        of a large negative number is large and positive (even degree). So the mask multiplies
+        the numerators instead (a plaintext 0/1 product under CKKS), after the polynomial and
+        before the normaliser's sum.
+        """
         if self.exp_spec is None and self.inverse_spec is None:
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
             return logits.softmax(dim=-1)
         if self.exp_spec is None:
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
             numerators = (logits - logits.amax(dim=-1, keepdim=True)).exp()
         else:
             numerators = polyval(self.exp_spec, logits)
+            if keep is not None:
+                numerators = numerators * keep.to(numerators.dtype)
         denominators = numerators.sum(dim=-1, keepdim=True)
         if self.inverse_spec is None:
             return numerators / denominators
@@ -147,6 +161,28 @@ class ApproxLayerNorm(_Calibrated):
         self.spec = spec
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
+
+    @classmethod
+    def replacing(
+        cls, source: nn.LayerNorm | ApproxLayerNorm, spec: NewtonInvSqrtSpec | None
+    ) -> ApproxLayerNorm:
+        """The replacement of ``source`` (same ``eps``; shares its weight and bias parameters).
+
+        Raises :class:`~fedfm.errors.ModelError` for a LayerNorm over more than the last axis or
+        without weight and bias.
+        """
+        if isinstance(source, ApproxLayerNorm):
+            dim, eps = source.dim, source.eps
+        else:
+            if len(source.normalized_shape) != 1 or source.weight is None or source.bias is None:
+                raise ModelError(
+                    "only LayerNorm over the last dimension with weight and bias is supported"
+                )
+            dim, eps = source.normalized_shape[0], source.eps
+        replacement = cls(dim, eps=eps, spec=spec)
+        replacement.weight = source.weight
+        replacement.bias = source.bias
+        return replacement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec is None:
