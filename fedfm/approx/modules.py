@@ -120,8 +120,8 @@ class ApproxSoftmax(_Calibrated):
             numerators = (logits - logits.amax(dim=-1, keepdim=True)).exp()
         else:
             numerators = polyval(self.exp_spec, logits)
-            if keep is not None:
-                numerators = numerators * keep.to(numerators.dtype)
+            if keep is not None:  # a select, not a product: 0 * inf would be NaN in torch
+                numerators = numerators.masked_fill(~keep, 0.0)
         denominators = numerators.sum(dim=-1, keepdim=True)
         if self.inverse_spec is None:
             return numerators / denominators
