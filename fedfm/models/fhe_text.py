@@ -235,7 +235,12 @@ class FheTextClassifier(nn.Module):
         for part in layer_path.split("."):
             layers = getattr(layers, part)
         self.layers: nn.ModuleList = layers
-        self._softmaxes = [_self_attentions(layer)[0].fhe_softmax for layer in self.layers]
+        self._softmaxes: list[FheSoftmax] = []
+        for layer in self.layers:
+            softmax = getattr(_self_attentions(layer)[0], "fhe_softmax", None)
+            if not isinstance(softmax, FheSoftmax):
+                raise ModelError("build the FHE-friendly text model with to_fhe_text")
+            self._softmaxes.append(softmax)
 
     @property
     def num_blocks(self) -> int:
@@ -271,7 +276,8 @@ class FheTextClassifier(nn.Module):
                 f"sequences of {input_ids.shape[1]} tokens exceed the configured "
                 f"{self.max_tokens}; tokenize with max_length={self.max_tokens} and truncation"
             )
-        embedded: torch.Tensor = self.encoder.embeddings(input_ids=input_ids)
+        embeddings: Any = self.encoder.embeddings
+        embedded: torch.Tensor = embeddings(input_ids=input_ids)
         return embedded
 
     def block(self, index: int, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
