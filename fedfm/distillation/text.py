@@ -106,6 +106,32 @@ def distillation_texts(
     return input_ids, predict(teacher, input_ids, batch_size=ENCODE_BATCH)
 
 
+# One approximation at a time (the others exact), on the teacher's weights: which one costs what
+ABLATION: dict[str, dict[str, Any]] = {
+    "exp (Taylor)": {"exp_degree": 6, "inverse_iterations": None, "gelu": False,
+                     "inv_sqrt_iterations": None},
+    "exp and inverse (Goldschmidt)": {"exp_degree": 6, "inverse_iterations": 7, "gelu": False,
+                                      "inv_sqrt_iterations": None},
+    "inverse sqrt (Newton)": {"exp_degree": None, "inverse_iterations": None, "gelu": False,
+                              "inv_sqrt_iterations": 5},
+    "GELU (quadratic)": {"exp_degree": None, "inverse_iterations": None, "gelu": True,
+                         "inv_sqrt_iterations": None},
+}  # fmt: skip
+
+
+def approximation_ablation(
+    teacher: FheTextClassifier, splits: TextSplits, calibration: list[torch.Tensor]
+) -> dict[str, float]:
+    """Test accuracy of the teacher's weights with one approximation at a time (calibrated on
+    ``calibration``, not distilled)."""
+    out = {}
+    for name, settings in ABLATION.items():
+        model = teacher.with_approx(ApproxConfig.build(**settings))
+        calibrate(model, calibration)
+        out[name] = _score(model, splits).accuracy
+    return out
+
+
 def _score(model: FheTextClassifier, splits: TextSplits) -> Scores:
     return score(model, splits.test.input_ids, splits.test.labels, batch_size=ENCODE_BATCH)
 
@@ -158,6 +184,7 @@ def run_text_distillation(
     reset_clamped(undistilled)
     calibrate(undistilled, calibration_batches(texts, run.distill))
     undistilled_scores = _score(undistilled, splits)
+    ablation = approximation_ablation(teacher, splits, calibration_batches(texts, run.distill))
     gap = 100 * (teacher_scores.accuracy - student_scores.accuracy)
     config = encoder.config
     report: dict[str, Any] = {
@@ -185,6 +212,7 @@ def run_text_distillation(
         "student_balanced_accuracy": student_scores.balanced_accuracy,
         "exact_student_accuracy": exact_scores.accuracy,
         "undistilled_student_accuracy": undistilled_scores.accuracy,
+        "one_approximation_accuracy": ablation,
         "accuracy_gap_points": gap,
         "within_3_points": bool(gap <= 3.0),
         "test_values_clamped": test_clamped,
