@@ -9,6 +9,10 @@ The secret key is part of that state and never leaves ``context.state``; so are,
 SecAgg stages, the client's update and its SecAgg secrets. A message the protocol refuses gets an
 error reply and leaves ``context.state`` as it was.
 
+With ``site-dir`` in its node config, a data owner answers every message in its long-lived site
+process instead (``fedfm site``, :mod:`fedfm.runtime.site`): this module imports nothing
+heavy, and the role, keys and data stay in that process's memory.
+
 The client's data: partition ``partition-id`` of ``num-partitions`` (node config; simulation
 sets both) of the clients' pool, split exactly as the in-process runner splits it for client
 ``partition-id``, with the dataset settings of the run config.
@@ -20,16 +24,12 @@ The data owner's SecAgg identity and pins come from its node config only (``iden
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
 from flwr.app import Context, RecordDict
 
-from fedfm.errors import ConfigError
 from fedfm.flower import codec
 from fedfm.flower.apps import make_client_app, node_config
-from fedfm.models.device import resolve_device
-from fedfm.models.student import StudentSource
-from fedfm.protocols.double_blind.client import ClientData, ClientState, DoubleBlindClient
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
     REFRESH,
@@ -37,24 +37,12 @@ from fedfm.protocols.double_blind.config import (
     TRAIN_BLOCK,
     TRAIN_LOSS,
     TRAIN_SECAGG,
-    DoubleBlindConfig,
 )
-from fedfm.protocols.double_blind.identities import data_owner_key_authentication
-from fedfm.protocols.double_blind.policy import DataOwnerPolicy
-from fedfm.protocols.double_blind.runner import Federation, federation_data
-from fedfm.protocols.double_blind.settings import app_settings
+
+if TYPE_CHECKING:  # torch and the crypto backends load with the role, not with this module
+    from fedfm.protocols.double_blind.client import ClientState, DoubleBlindClient
 
 STATE_NAME = "fedfm.double_blind"  # context.state records <STATE_NAME>.arrays and .state
-
-
-@functools.lru_cache(maxsize=2)
-def _partitions(
-    student: StudentSource, federation: Federation, eval_fraction: float
-) -> tuple[ClientData, ...]:
-    """Every client's data (cached: a process serves many messages and often many nodes)."""
-    splits, _ = student.load_data()
-    protocol = DoubleBlindConfig(eval_fraction=eval_fraction)
-    return tuple(federation_data(splits, federation, protocol))
 
 
 def client_role(context: Context) -> DoubleBlindClient:
@@ -63,40 +51,18 @@ def client_role(context: Context) -> DoubleBlindClient:
     The policy (which backends it accepts, whether secure aggregation is required, ...) comes
     from the node config (:class:`~fedfm.protocols.double_blind.policy.DataOwnerPolicy`), never
     from the run config; the backend is the one the server's setup names, if the policy
-    accepts it.
+    accepts it (:func:`fedfm.protocols.double_blind.node.data_owner_role`).
     """
-    settings = app_settings(context.run_config)
-    own = node_config(context)
-    try:
-        partition_id = int(own["partition-id"])
-        num_partitions = int(own["num-partitions"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise ConfigError(
-            "the node config needs integer 'partition-id' and 'num-partitions' (simulation sets "
-            "them; start a SuperNode with --node-config 'partition-id=0 num-partitions=5')"
-        ) from error
-    if not 0 <= partition_id < num_partitions:
-        raise ConfigError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
-    federation = Federation(
-        num_clients=num_partitions,
-        scheme=settings.federation.scheme,
-        alpha=settings.federation.alpha,
-        seed=settings.federation.seed,
-    )
+    from fedfm.protocols.double_blind.node import data_owner_role
 
-    def data() -> ClientData:  # loaded by the first message that needs it (not a refresh)
-        return _partitions(settings.student, federation, settings.protocol.eval_fraction)[
-            partition_id
-        ]
+    return data_owner_role(context.run_config, node_config(context))
 
-    return DoubleBlindClient(
-        data,
-        policy=DataOwnerPolicy.from_node_config(own),
-        partition_id=partition_id,
-        authentication=data_owner_key_authentication(own),
-        # the data owner's own hardware: its node config's 'device', else the run config's
-        device=resolve_device(str(own.get("device", settings.device))),
-    )
+
+def state_type() -> type[ClientState]:
+    """The client's state type (imported when a message is answered here, not at load)."""
+    from fedfm.protocols.double_blind.client import ClientState
+
+    return ClientState
 
 
 def save_state(state: ClientState, record_dict: RecordDict) -> None:
@@ -106,12 +72,14 @@ def save_state(state: ClientState, record_dict: RecordDict) -> None:
 
 def load_state(record_dict: RecordDict) -> ClientState:
     """The state the app keeps in ``record_dict``; a new client's state if there is none."""
-    return codec.load_state(ClientState, record_dict, codec.state_records(STATE_NAME))
+    return codec.load_state(state_type(), record_dict, codec.state_records(STATE_NAME))
 
 
+# A site's node config may name `site-dir`: then every message goes to the data owner's
+# long-lived site process (`fedfm site`), which keeps the role, keys and data in memory.
 app = make_client_app(
     client_role,
-    ClientState,
+    state_type,
     message_types=(SETUP, TRAIN_BLOCK, TRAIN_LOSS, TRAIN_SECAGG, EVALUATE_BLOCK, REFRESH),
     state_name=STATE_NAME,
 )

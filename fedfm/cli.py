@@ -1013,6 +1013,8 @@ def build_parser() -> argparse.ArgumentParser:
     attacks.set_defaults(handler=_fedrag_attacks)
     _add_slip_commands(commands)
     _add_centaur_commands(commands)
+    _add_site_command(commands)
+    _add_bench_round_command(commands)
     return parser
 
 
@@ -1227,6 +1229,109 @@ def _centaur_attacks(args: argparse.Namespace) -> None:
     from fedfm.experiments.centaur_attacks import run_centaur_attacks
 
     run_centaur_attacks(results_dir=args.results_dir, cache_dir=args.cache_dir)
+
+
+# -- a data owner's site process (issue 23) --------------------------------------------------------
+
+
+def _add_bench_round_command(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench-round",
+        help="one encrypted round in process and on a local Deployment Engine with site "
+        "processes: seconds, round trips, where the time went (results/deployment.*)",
+    )
+    bench.add_argument("--workdir", type=Path, default=Path("runs/distill"))
+    bench.add_argument("--backend", default="ckks-8192", help="ckks-8192 (default), ckks, simulate")
+    bench.add_argument("--clients", type=int, default=3)
+    bench.add_argument("--batch-size", type=int, default=16)
+    bench.add_argument("--max-samples", type=int, default=None, help="cap each split")
+    bench.add_argument(
+        "--skip-deployment", action="store_true", help="only the in-process round (a)"
+    )
+    bench.add_argument(
+        "--compare-clientapp",
+        action="store_true",
+        help="also run (b) with Flower's per-message ClientApp process instead of site processes",
+    )
+    bench.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds a round trip may take (1800)"
+    )
+    bench.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench.add_argument("--name", default="deployment", help="results file name (deployment)")
+    bench.set_defaults(handler=_bench_round)
+
+
+def _bench_round(args: argparse.Namespace) -> None:
+    from fedfm.experiments.bench_round import run_round_benchmark
+
+    if args.clients < 2:
+        raise FedfmError(f"--clients must be at least 2 (secure aggregation), got {args.clients}")
+    run_round_benchmark(
+        args.workdir,
+        backend=args.backend,
+        clients=args.clients,
+        batch_size=args.batch_size,
+        max_samples=args.max_samples,
+        deployment=not args.skip_deployment,
+        compare_clientapp=args.compare_clientapp,
+        timeout=args.timeout,
+        results_dir=args.results_dir,
+        name=args.name,
+        command=args.command_line,
+        log=lambda line: print(line, flush=True),
+    )
+
+
+def _add_site_command(commands: argparse._SubParsersAction) -> None:
+    site = commands.add_parser(
+        "site",
+        help="a data owner's long-lived site process beside its SuperNode: holds the role, keys "
+        "and data in memory and answers the ClientApp over an owner-only local socket",
+    )
+    site.add_argument(
+        "--dir",
+        type=Path,
+        required=True,
+        help="the site folder (created 0700 with a fresh 0600 key); give the SuperNode "
+        '--node-config "site-dir=<the same folder>"',
+    )
+    site.add_argument(
+        "--node-config",
+        default="",
+        help="this data owner's own settings as key=value pairs (partition-id, num-partitions, "
+        "its policy, identity-key, secagg-pins, device, ...); $FEDFM_NODE_CONFIG fills in the rest",
+    )
+    site.add_argument(
+        "--protocol", default="double-blind", choices=["double-blind"], help="the role served"
+    )
+    site.set_defaults(handler=_site)
+
+
+def _site(args: argparse.Namespace) -> None:
+    import os
+    import signal
+
+    from fedfm.flower.apps import NODE_CONFIG_ENV, parse_node_config
+    from fedfm.protocols.double_blind.client import ClientState
+    from fedfm.protocols.double_blind.config import SETUP
+    from fedfm.protocols.double_blind.node import data_owner_role
+    from fedfm.runtime.site import Site
+
+    own = {
+        **parse_node_config(os.environ.get(NODE_CONFIG_ENV, "")),
+        **parse_node_config(args.node_config),
+    }
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda number, _frame: stopping.append(number))
+    site = Site(
+        args.dir,
+        lambda run_config: data_owner_role(run_config, own),
+        ClientState,
+        opening=(SETUP,),
+        log=lambda line: print(line, flush=True),
+    )
+    site.serve(stop=lambda: bool(stopping))
+    print(f"[site] stopped after {site.answered} messages", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

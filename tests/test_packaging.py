@@ -31,7 +31,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 # Inside fedfm.crypto (its __init__ docstring explains them): a module imports crypto modules of
 # its own layer or below, never above.
 CRYPTO_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("randomness", "backend", "simulate", "params"),
+    ("randomness", "backend", "simulate", "params", "schedule"),
     ("seal_memory", "seal_raw", "rns_linear"),
     ("workers", "refresh", "circuit"),
     ("packing", "benes", "ckks_vit"),
@@ -313,17 +313,17 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert re.findall(r'lane "([^"]+)"', ci) == lanes
 
 
-def test_a_data_owners_clientapp_process_imports_neither_timm_nor_scikit_learn() -> None:
+def test_a_data_owners_clientapp_process_imports_only_flower_and_light_modules() -> None:
     """On the Deployment Engine every message starts a fresh ClientApp process (issue 23): the
-    data owner's app imports torch, Flower and the crypto backends at start, never timm (with
-    torchvision and torch._dynamo, which only the model owner's side needs) nor scikit-learn
-    (its data, loaded by the first message that needs it; a refresh does not)."""
+    data owner's app module imports Flower and fedfm's light modules only. torch, TenSEAL, timm
+    and scikit-learn load with the role, when a message is answered in this process; a site's
+    ClientApp (node config ``site-dir``) forwards every message and never loads them."""
     import subprocess
     import sys
 
     probe = (
         "import sys, fedfm_clients.double_blind; "
-        "print(sorted({'timm', 'torchvision', 'sklearn'} & set(sys.modules)))"
+        "print(sorted({'torch', 'tenseal', 'timm', 'torchvision', 'sklearn'} & set(sys.modules)))"
     )
     completed = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True

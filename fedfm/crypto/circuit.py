@@ -40,8 +40,9 @@ import numpy as np
 import tenseal as ts
 import tenseal.sealapi as sealapi
 
-from fedfm.crypto.backend import Work
+from fedfm.crypto.backend import Work, drive
 from fedfm.crypto.rns_linear import linear_map
+from fedfm.crypto.schedule import LevelCircuit, LevelStats, choose_refresh, last_uses, short
 from fedfm.crypto.seal_raw import SealIO, dumps
 from fedfm.crypto.workers import CONTEXTS_PER_WORKER
 from fedfm.errors import CryptoParameterError, ProtocolError
@@ -204,6 +205,11 @@ class Circuit:
         self.pool = None  # a broken pool does not come back
 
     # -- levels ----------------------------------------------------------------------------------
+    @property
+    def full_headroom(self) -> int:
+        """Headroom of a freshly refreshed ciphertext (refreshes return the top data level)."""
+        return int(self.seal.first_context_data().chain_index()) - self.refresh_index
+
     def headroom(self, ct: Ciphertext) -> int:
         """Rescales left before ``ct`` reaches the refresh level."""
         return self.seal.get_context_data(ct.parms_id()).chain_index() - self.refresh_index
@@ -497,11 +503,20 @@ def evaluate_traced(
     output: Traced,
     inputs: dict[Traced, list[Ciphertext]],
     place: str,
+    *,
+    output_headroom: int = 0,
+    keep: dict[Traced, int] | None = None,
 ) -> Work[list[Ciphertext]]:
-    """Execute the traced ``output`` on each ciphertext of the input tensors, refreshing greedily.
+    """Execute the traced ``output`` on each ciphertext of the input tensors.
 
-    A product whose operand has no headroom refreshes that operand's whole tensor first (both
-    operands in one round trip when both need it).
+    A product whose operand has no headroom refreshes that operand's whole tensor first, and in
+    the same round trip the other live values whose refresh saves a later round trip
+    (:func:`fedfm.crypto.schedule.choose_refresh`). ``output_headroom`` is the headroom the
+    caller's next operation needs of the result (at most what a refresh gives): the schedule
+    plans for it, and the result is refreshed at the end if it still lacks it. ``keep`` maps
+    inputs the caller uses afterwards (they need not take part in ``output``) to the headroom
+    it needs of them: they are planned for the same way, and their tensors in ``inputs``
+    replaced by the refreshed ones if they were refreshed (the only change made to ``inputs``).
     """
     memo: dict[int, list[Ciphertext]] = {id(node): cts for node, cts in inputs.items()}
     order: list[Traced] = []
@@ -520,25 +535,73 @@ def evaluate_traced(
             stack.append((current, True))
             stack.extend((arg, False) for arg in current.args if id(arg) not in seen)
 
+    def lowest(key: int) -> int:
+        return min(circuit.headroom(ct) for ct in memo[key])
+
+    def refresh(keys: list[int]) -> Work[None]:
+        fresh = yield from circuit.refresh([ct for key in keys for ct in memo[key]], place)
+        for key in keys:  # a tensor is refreshed whole, so that its parts stay aligned
+            memo[key], fresh = fresh[: len(memo[key])], fresh[len(memo[key]) :]
+            headroom[key] = lowest(key)
+
+    kept = keep or {}
+    if any(node not in inputs for node in kept):
+        raise ProtocolError("internal: only inputs of a traced polynomial can be kept")
     visit(output)
-    for node in order:
+    full = circuit.full_headroom
+    # a refresh gives no more than full headroom: a greater need is met by the next refresh
+    needs = {id(node): min(need, full) for node, need in kept.items()}
+    needs[id(output)] = min(max(output_headroom, needs.get(id(output), 0)), full)
+    last = last_uses(order, needs)
+    headroom = {key: lowest(key) for key in memo}
+    sizes = {key: len(cts) for key, cts in memo.items()}
+    for index, node in enumerate(order):
         if node.op == "input":
             raise ProtocolError("traced polynomial has an input that was not provided")
+        chosen = choose_refresh(order, index, headroom, last, full, needs, sizes)
+        if chosen:
+            yield from refresh(chosen)
         args = [memo[id(arg)] for arg in node.args]
-        if node.op in ("mul", "mul_c"):
-            low = [
-                arg
-                for arg, values in zip(node.args, args, strict=True)
-                if any(circuit.headroom(ct) < 1 for ct in values)
-            ]
-            if low:
-                unique = list({id(arg): arg for arg in low}.values())
-                fresh = yield from circuit.ensure([memo[id(arg)] for arg in unique], 1, place)
-                for arg, values in zip(unique, fresh, strict=True):
-                    memo[id(arg)] = values
-                args = [memo[id(arg)] for arg in node.args]
         memo[id(node)] = [_apply(circuit, node, *items) for items in zip(*args, strict=True)]
+        headroom[id(node)] = lowest(id(node))
+        sizes[id(node)] = len(memo[id(node)])
+    missing = short(headroom, needs)
+    if missing:
+        yield from refresh(missing)
+    for node in kept:
+        inputs[node] = memo[id(node)]
     return memo[id(output)]
+
+
+def dry_run(
+    output: Traced,
+    inputs: dict[Any, int],
+    full: int,
+    *,
+    output_headroom: int = 0,
+    keep: dict[Any, int] | None = None,
+    copies: int | dict[Any, int] = 1,
+) -> LevelStats:
+    """A level-only dry run (:class:`~fedfm.crypto.schedule.LevelCircuit`): round trips and
+    refreshed ciphertexts of evaluating the traced ``output`` from inputs
+    at the given headrooms (``copies`` ciphertexts per tensor, or per input); ``keep`` as for
+    :func:`~fedfm.crypto.circuit.evaluate_traced`."""
+    circuit = LevelCircuit(full)
+    drive(
+        evaluate_traced(
+            circuit,  # type: ignore[arg-type]
+            output,
+            {
+                node: [room] * (copies if isinstance(copies, int) else copies[node])
+                for node, room in inputs.items()
+            },
+            "dry run",
+            output_headroom=output_headroom,
+            keep=keep,
+        ),
+        lambda items: items,
+    )
+    return circuit.stats
 
 
 def _apply(circuit: Circuit, node: Traced, *cts: Ciphertext) -> Ciphertext:

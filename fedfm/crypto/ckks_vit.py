@@ -211,12 +211,17 @@ def layer_norm(
     mask: np.ndarray,
     mask_key: tuple[object, ...],
     place: str,
+    inv_std_headroom: int | None = None,
 ) -> Work[tuple[Tensor, float]]:
     """The LayerNorm's output *before* its weight and bias, and the factor to fold with them.
 
     ``c_i = a (x_i - mean)`` with ``a = 1/sqrt(D * bound)`` (zero outside ``mask``), so that
     ``u = sum_i c_i**2 + eps/bound`` is the scaled variance; ``y = 1/sqrt(u)`` by the model's
     Newton spec; the output ``c_i * y`` equals ``centred * inv_std * a * sqrt(bound)``.
+
+    ``inv_std_headroom`` is the headroom the refresh schedule of ``y`` plans to leave it: by
+    default that of the centred values, so that ``y`` does not lower the output's level; a
+    caller whose next layer refreshes its input anyway asks for less (fewer round trips here).
     """
     dim = len(x)
     bound = _bound(norm)
@@ -253,7 +258,15 @@ def layer_norm(
     ]
     u = symbol()
     inv_std = yield from evaluate_traced(
-        circuit, evaluate_inv_sqrt(norm.spec, u), {u: variance}, f"{place}/inv_sqrt"
+        circuit,
+        evaluate_inv_sqrt(norm.spec, u),
+        {u: variance},
+        f"{place}/inv_sqrt",
+        output_headroom=(
+            min(circuit.headroom(ct) for ct in _flat(centred))
+            if inv_std_headroom is None
+            else inv_std_headroom
+        ),
     )
     tensors = yield from circuit.ensure([_flat(centred), inv_std], 1, place)
     centred, inv_std = _shape(tensors[0], dim), tensors[1]
@@ -394,7 +407,7 @@ def _head_weights(
         )
     a = symbol()
     numerators = yield from evaluate_traced(
-        circuit, polyval(softmax.exp_spec, a), {a: masked}, f"{place}/exp"
+        circuit, polyval(softmax.exp_spec, a), {a: masked}, f"{place}/exp", output_headroom=1
     )
     bound = _bound(softmax)
     scaled = []
@@ -412,10 +425,19 @@ def _head_weights(
         )
         for c, ct in enumerate(scaled)
     ]
-    s = symbol()
+    s, n = symbol(), symbol()
+    # The numerators wait for the inverse: planned with it, they may travel in one of its
+    # refreshes, so that the weights keep the level their products with the values need.
+    inputs = {s: scaled, n: numerators}
     inverse = yield from evaluate_traced(
-        circuit, evaluate_inverse(softmax.inverse_spec, s), {s: scaled}, f"{place}/inverse"
+        circuit,
+        evaluate_inverse(softmax.inverse_spec, s),
+        inputs,
+        f"{place}/inverse",
+        output_headroom=2,
+        keep={n: 2},
     )
+    numerators = inputs[n]
     numerators, inverse = yield from circuit.ensure([numerators, inverse], 1, f"{place}/weights")
     # i // tokens = c: each ciphertext's normaliser weights its numerators
     weights = [circuit.multiply(ct, inverse[i // tokens]) for i, ct in enumerate(numerators)]
@@ -487,8 +509,18 @@ def mlp(
     place: str,
 ) -> Work[Tensor]:
     """``mlp(norm2(x))`` (the block's second half)."""
+    # inv_std with a single level: fc1's input is then refreshed (one round trip, as many
+    # ciphertexts as features) and the GELU needs no refresh; keeping the output's level costs
+    # one more inverse-sqrt round trip and one for the GELU (level-only dry runs,
+    # fedfm.crypto.schedule)
     normed, centring = yield from layer_norm(
-        circuit, block.norm2, x, layout.valid(samples), ("valid", samples), f"{place}/norm2"
+        circuit,
+        block.norm2,
+        x,
+        layout.valid(samples),
+        ("valid", samples),
+        f"{place}/norm2",
+        inv_std_headroom=1,
     )
     (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/fc1")
     fc1 = Linear.of(block.mlp.fc1).after_norm(block.norm2, centring)
@@ -499,7 +531,11 @@ def mlp(
     hidden = folded_linear(circuit, layout, fc1, normed) if folded else linear(circuit, fc1, normed)
     h = symbol()
     activated = yield from evaluate_traced(
-        circuit, polyval(block.mlp.act.spec, h), {h: _flat(hidden)}, f"{place}/gelu"
+        circuit,
+        polyval(block.mlp.act.spec, h),
+        {h: _flat(hidden)},
+        f"{place}/gelu",
+        output_headroom=1,  # for fc2
     )
     (activated,) = yield from circuit.ensure([activated], 1, f"{place}/fc2")
     activated_tensor = _shape(activated, len(hidden))

@@ -22,6 +22,7 @@ import shlex
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any, cast
 
 from flwr.app import Context, Error, Message
@@ -38,9 +39,15 @@ from fedfm.flower.codec import (
     save_state,
     state_records,
 )
+from fedfm.runtime import site
 from fedfm.runtime.transport import NodeRole, StateT
 
 RoleOf = Callable[[Context], NodeRole[StateT]]
+# The node config key naming the data owner's site folder (``fedfm site --dir``).
+SITE_DIR = "site-dir"
+# How long a ClientApp waits for its site's answer (node config ``site-timeout``, seconds): a
+# site that hangs must not hold the message longer than the server waits for it.
+SITE_TIMEOUT = 3600.0
 
 # A node's own settings for nodes that Flower starts without a ``--node-config`` (simulation):
 # ``key=value`` pairs in the environment of the process that runs the ClientApp, i.e. the
@@ -83,14 +90,32 @@ def log_info(line: str) -> None:
     log(INFO, line)
 
 
+def _answer_at_site(message: Message, context: Context, folder: str) -> Message:
+    """``message`` answered by the site process in ``folder`` (:mod:`fedfm.runtime.site`)."""
+    own = node_config(context)
+    envelope = message_to_envelope(message, message.metadata.dst_node_id)
+    reply = site.forward(
+        Path(folder),
+        run_id=context.run_id,
+        run_config=dict(context.run_config),
+        envelope=envelope,
+        timeout=float(own.get("site-timeout", SITE_TIMEOUT)),
+    )
+    return envelope_to_reply(reply, message)
+
+
 def make_client_app(
     role_of: RoleOf[StateT],
-    state_type: type[StateT],
+    state_type: type[StateT] | Callable[[], type[StateT]],
     *,
     message_types: Iterable[str],
     state_name: str,
 ) -> ClientApp:
     """A ClientApp answering ``message_types`` with the role ``role_of(context)`` gives.
+
+    If the node config names a site folder (``site-dir``), the ClientApp only forwards each
+    message to the data owner's site process there (``fedfm site``), which holds the role
+    and its state; ``role_of`` and ``state_type`` are then not used in this process.
 
     Parameters
     ----------
@@ -98,7 +123,8 @@ def make_client_app(
         This node's role, built from its context (run config, node config). Called for every
         message: a role should be cheap to build or cache what is expensive.
     state_type:
-        The role's state; ``state_type()`` is a new node's state.
+        The role's state (``state_type()`` is a new node's state), or a function returning it
+        (so that a module defining the app need not import the state's heavy module).
     message_types:
         Every message type the role answers (``<train|evaluate|query>.<action>``).
     state_name:
@@ -106,10 +132,18 @@ def make_client_app(
     """
     names = state_records(state_name)
 
+    def resolved_state_type() -> type[StateT]:
+        if isinstance(state_type, type):
+            return state_type
+        return state_type()
+
     def handle(message: Message, context: Context) -> Message:
         try:
+            folder = node_config(context).get(SITE_DIR)
+            if folder:
+                return _answer_at_site(message, context, str(folder))
             envelope = message_to_envelope(message, message.metadata.dst_node_id)
-            state = load_state(state_type, context.state, names)
+            state = load_state(resolved_state_type(), context.state, names)
             reply, new_state = role_of(context).handle(envelope, state)
             answer = envelope_to_reply(reply, message)
         except FedfmError as error:

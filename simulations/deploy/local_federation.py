@@ -20,11 +20,13 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -91,6 +93,23 @@ class SuperNode:
         return self.log_path.read_text(errors="replace")
 
 
+@dataclass
+class Site:
+    """One data owner's site process (``fedfm site``): its role, keys and data in memory."""
+
+    index: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    folder: Path
+
+    def log(self) -> str:
+        """Everything the process wrote so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
 class LocalFederation:
     """A SuperLink, its SuperNodes and the operator's ``flwr`` CLI, all on 127.0.0.1.
 
@@ -120,6 +139,7 @@ class LocalFederation:
         self.port: int | None = None
         self.superlink: subprocess.Popen[bytes] | None = None
         self.supernodes: dict[int, SuperNode] = {}
+        self.sites: dict[int, Site] = {}
         self.node_ids: list[int] = []
         self.marker = f"{MARKER}={uuid.uuid4().hex}"
         self._echo = echo or (lambda _line: None)
@@ -292,23 +312,66 @@ class LocalFederation:
             for index, key in enumerate(keys)
         ]
 
+    def start_site(
+        self, index: int, node_config: Mapping[str, RunValue], *, seconds: float = 120.0
+    ) -> Site:
+        """Start data owner ``index``'s site process (``fedfm site``) with its own node config.
+
+        Its folder is a fresh ``0700`` one under the system's temporary folder (a Unix socket's
+        path must stay under 108 bytes); the SuperNode then needs only ``site-dir``.
+        """
+        folder = Path(tempfile.mkdtemp(prefix=f"fedfm-site-{index}-")) / "site"
+        command = [
+            str(BIN / "fedfm"),
+            "site",
+            "--dir",
+            str(folder),
+            "--node-config",
+            run_config_overrides(node_config),
+        ]
+        process, log_path = self._spawn(command, f"site-{index}")
+        started = Site(index, process, log_path, folder)
+        self.sites[index] = started
+        deadline = time.monotonic() + seconds
+        while "[site] serving" not in started.log():
+            if process.poll() is not None:
+                raise DeploymentError(f"site {index} exited:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"site {index} did not start:\n{_tail(log_path)}")
+            time.sleep(0.2)
+        return started
+
     def start_supernodes(
-        self, count: int, *, node_config: Mapping[str, RunValue] | None = None
+        self,
+        count: int,
+        *,
+        node_config: Mapping[str, RunValue] | None = None,
+        sites: bool = False,
     ) -> list[SuperNode]:
         """Start SuperNodes ``0 .. count-1`` with the CA, their registered keys and their SecAgg
         identities and pins (:meth:`data_owner_configs`); each site's own ``node_config`` (e.g.
-        its privacy policy) joins them on ``--node-config``."""
-        sites = [{**site, **(node_config or {})} for site in self.data_owner_configs(count)]
-        return [
-            self.start_supernode(
-                index,
-                num_partitions=count,
-                private_key=self.credentials.node_keys[index],
-                root_certificates=self.credentials.ca_cert,
-                node_config=sites[index],
+        its privacy policy) joins them on ``--node-config``.
+
+        ``sites=True``: each data owner's settings go to a long-lived site process instead
+        (:meth:`start_site`), and its SuperNode's ClientApp forwards every message there.
+        """
+        owners = [{**site, **(node_config or {})} for site in self.data_owner_configs(count)]
+        nodes = []
+        for index in range(count):
+            own: Mapping[str, RunValue] = owners[index]
+            if sites:
+                full = {"partition-id": index, "num-partitions": count, **own}
+                own = {"site-dir": str(self.start_site(index, full).folder)}
+            nodes.append(
+                self.start_supernode(
+                    index,
+                    num_partitions=count,
+                    private_key=self.credentials.node_keys[index],
+                    root_certificates=self.credentials.ca_cert,
+                    node_config=own,
+                )
             )
-            for index in range(count)
-        ]
+        return nodes
 
     def kill(self, node: SuperNode, sig: signal.Signals = signal.SIGKILL) -> None:
         """Send ``sig`` to the SuperNode's whole process group (with its ClientApp processes)."""
@@ -468,6 +531,7 @@ class LocalFederation:
         federation's marker; elsewhere the descendants seen before the first signal.
         """
         started = [node.process for node in self.supernodes.values()]
+        started += [site.process for site in self.sites.values()]
         if self.superlink is not None:
             started.append(self.superlink)
         below = _descendants([p.pid for p in started if p.poll() is None])
@@ -485,6 +549,8 @@ class LocalFederation:
             _end_pids(lambda: set(self._marked()), seconds=10.0)
         else:
             _end_pids(lambda: {pid for pid in below if _alive(pid)}, seconds=10.0)
+        for site in self.sites.values():  # its keys and states go with it
+            shutil.rmtree(site.folder.parent, ignore_errors=True)
 
     def __enter__(self) -> LocalFederation:
         return self

@@ -397,6 +397,76 @@ def test_a_killed_supernode_leaves_the_run_which_completes_without_it(
     assert federation.processes() == []
 
 
+# -- data owners' site processes -----------------------------------------------------------------
+
+
+def wait_for_log(process, text: str, *, seconds: float = 300.0) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in process.log():
+        assert time.monotonic() < deadline, f"no {text!r} in {process.log_path}"
+        time.sleep(0.1)
+
+
+def test_site_processes_answer_a_round_as_the_clientapps_would_and_a_killed_site_drops_out(
+    deploy, credentials, student_dir, tmp_path
+) -> None:
+    """Each data owner runs ``fedfm site`` beside its SuperNode (node config: only ``site-dir``):
+    the round gives the in-process runner's metrics; a site killed mid-round fails its node's
+    next message at once (no timeout to wait for) and the run completes without it."""
+    _, local_federation = deploy
+    federation = local_federation.LocalFederation(tmp_path / "federation", credentials)
+    try:
+        federation.start_superlink()
+        federation.register_all(NODES)
+        federation.start_supernodes(NODES, node_config={"allow-plaintext": True}, sites=True)
+        federation.wait_for_nodes(NODES)
+        for node in federation.supernodes.values():  # the policy is the site's, not the node's
+            node_config = node.command[node.command.index("--node-config") + 1]
+            assert "site-dir" in node_config and "allow-plaintext" not in node_config
+
+        checkpoint = tmp_path / "checkpoint"
+        config = run_config(student_dir, checkpoint)
+        started = time.monotonic()
+        run_id = federation.submit(config)
+        status = federation.wait_for_run(run_id, seconds=600)
+        log = federation.run_log(run_id)
+        assert status == "finished:completed", log[-3000:]
+        print(f"[deployment] a round with site processes: {time.monotonic() - started:.0f} s")
+        (record,) = history(checkpoint)
+        (expected,) = in_process_history(config, student_dir)
+        assert (record["clients_trained"], record["clients_evaluated"]) == (NODES, NODES)
+        assert record["balanced_accuracy"] == expected.balanced_accuracy
+        assert record["train_loss"] == pytest.approx(expected.train_loss, rel=1e-5)
+        for site in federation.sites.values():
+            assert f"run {run_id}: answered query.setup" in site.log()
+            assert f"run {run_id}: answered train.secagg" in site.log()
+            assert (site.folder / "state" / f"run-{run_id}.npz").stat().st_mode & 0o777 == 0o600
+
+        checkpoint = tmp_path / "killed"
+        config = run_config(
+            student_dir,
+            checkpoint,
+            timeout=KILL_TIMEOUT,
+            **{"min-clients": 2, "eval-fraction": 0.05},
+        )
+        run_id = federation.submit(config)
+        victim = federation.sites[NODES - 1]
+        wait_for_log(victim, f"run {run_id}: answered train.block")
+        victim.process.kill()
+        victim.process.wait()
+        status = federation.wait_for_run(run_id, seconds=600)
+        log = federation.run_log(run_id)
+        assert status == "finished:completed", log[-3000:]
+        (record,) = history(checkpoint)
+        assert (record["clients_trained"], record["clients_evaluated"]) == (NODES - 1, 0)
+        (failure,) = record["failures"]
+        assert "site process" in failure and "down" in failure, failure
+    finally:
+        federation.close()
+    assert federation.processes() == []
+    assert not any(site.folder.exists() for site in federation.sites.values())
+
+
 # -- the multi-party runtime on the Deployment Engine -------------------------------------------
 
 

@@ -464,6 +464,10 @@ def test_evaluate_every_skips_evaluations_but_not_the_last(model, splits) -> Non
     assert np.isnan(history[0].balanced_accuracy) and np.isnan(history[0].accuracy)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history[1:])
     assert [record.round_trips for record in history] == [shown + 5] + [2 * shown + 5] * 2
+    # where a round's time went: inside the round trips (clients and messages) and the rest
+    for record in history:
+        assert 0.0 < record.median_round_trip_seconds <= record.transport_seconds
+        assert record.transport_seconds < record.seconds
     with pytest.raises(ConfigError, match="evaluate_every must be >= 1"):
         small_config(evaluate_every=0)
     assert "evaluate_every" not in config.client_settings()  # the server's schedule
@@ -777,3 +781,26 @@ def test_client_answers_secure_aggregation_only_after_training_and_in_order(mode
         name: sum(deltas[node][name] * (weights[node] / 80) for node in (7, 8)) for name in initial
     }
     assert_within_quantization(result.arrays, average, config)
+
+
+def test_a_long_lived_role_restores_its_key_owner_once_per_key_state() -> None:
+    """A site keeps one DoubleBlindClient per run: the same key arrays (the state the site holds
+    in memory) give the same key owner without restoring it again; other arrays restore anew."""
+    from fedfm.protocols.double_blind.client import DoubleBlindClient
+
+    class CountingBackend:
+        restored = 0
+
+        def restore_key_owner(self, arrays: dict) -> object:
+            CountingBackend.restored += 1
+            return object()
+
+    client = DoubleBlindClient(lambda: None)  # type: ignore[arg-type, return-value]
+    backend = CountingBackend()
+    keys = {"context": np.zeros(4, dtype=np.uint8), "geometry": np.ones(2)}
+    first = client._restored_key_owner(backend, keys)  # type: ignore[arg-type]
+    assert client._restored_key_owner(backend, dict(keys)) is first
+    assert CountingBackend.restored == 1
+    other = {**keys, "context": keys["context"].copy()}  # equal values, another state
+    assert client._restored_key_owner(backend, other) is not first  # type: ignore[arg-type]
+    assert CountingBackend.restored == 2

@@ -280,6 +280,9 @@ class DoubleBlindClient:
         self.policy = policy or DataOwnerPolicy()
         self.partition_id = partition_id
         self.authentication = authentication
+        # The last restored key owner and the state arrays it came from: a role that lives
+        # across messages (a site process) restores its keys once, not per message.
+        self._key_owner: tuple[list[np.ndarray], KeyOwner] | None = None
 
     @property
     def data(self) -> ClientData:
@@ -317,7 +320,7 @@ class DoubleBlindClient:
         if envelope.message_type == TRAIN_SECAGG:
             return self._secure_aggregation(envelope, state)
         backend = self.backend_for(str(state.config.get("backend")))
-        key = backend.restore_key_owner(state.group("key"))
+        key = self._restored_key_owner(backend, state.group("key"))
         try:
             if envelope.message_type == REFRESH:
                 # Masked ciphertexts only: the client re-encrypts them and learns nothing; its
@@ -336,6 +339,22 @@ class DoubleBlindClient:
                 "more, so the fact of refusing tells the server at most one bit)",
                 state=left_run(state),
             ) from error
+
+    def _restored_key_owner(
+        self, backend: CryptoBackend, arrays: dict[str, np.ndarray]
+    ) -> KeyOwner:
+        """The key owner of ``arrays``: restored once while the same arrays come back."""
+        values = [arrays[name] for name in sorted(arrays)]
+        cached = self._key_owner
+        if (
+            cached is not None
+            and len(cached[0]) == len(values)
+            and all(old is new for old, new in zip(cached[0], values, strict=True))
+        ):
+            return cached[1]
+        owner = backend.restore_key_owner(arrays)
+        self._key_owner = (values, owner)
+        return owner
 
     # -- steps -------------------------------------------------------------------------------
     def _setup(self, envelope: Envelope, state: ClientState) -> tuple[Envelope, ClientState]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,6 +111,27 @@ class RoundRecord:
     failures: list[str]
     seconds: float
     round_trips: int
+    # Time inside the transport (the clients' work plus the messages' way there and back) and
+    # the median round trip; the rest of ``seconds`` is the server's own work.
+    transport_seconds: float = float("nan")
+    median_round_trip_seconds: float = float("nan")
+
+
+class _TimedTransport:
+    """A transport that records how long each round trip took (for the round record)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.durations: list[float] = []
+
+    def send_and_receive(
+        self, envelopes: Iterable[Envelope], *, timeout: float | None = None
+    ) -> list[Envelope | Failure]:
+        started = time.perf_counter()
+        try:
+            return self.inner.send_and_receive(envelopes, timeout=timeout)
+        finally:
+            self.durations.append(time.perf_counter() - started)
 
 
 @dataclass
@@ -335,6 +356,10 @@ def run_double_blind(
         f"{config.batches_per_round}"
     )
     failures: list[str] = []
+    # Under CKKS every client makes its keys here (tens of seconds on 2 cores) and the server
+    # loads each public context: the user sees that setup runs, and how long it took.
+    log(f"[fedfm] setup: {len(node_ids)} clients make their keys and send the public part")
+    setup_started = time.perf_counter()
     setup = transport.send_and_receive(
         [server.setup_request(node) for node in node_ids], timeout=timeout
     )
@@ -347,6 +372,9 @@ def run_double_blind(
         except FedfmError as error:
             log(f"[fedfm] node {reply.node_id} failed setup: {error}")
     active = server.ordered_nodes()
+    log(
+        f"[fedfm] setup: {len(active)} clients ready in {time.perf_counter() - setup_started:.1f} s"
+    )
     if len(active) < min_clients:
         raise ProtocolError(f"only {len(active)} clients completed setup, need {min_clients}")
 
@@ -359,10 +387,12 @@ def run_double_blind(
         dim = server.sessions[active[0]].train_inputs.shape[-1]
         state = RunState(global_arrays=server.initial_arrays(dim))
 
+    timed = _TimedTransport(transport)
     for server_round in range(state.round + 1, config.rounds + 1):
         started = time.perf_counter()
+        timed.durations.clear()
         failures = []
-        phase = {"transport": transport, "timeout": timeout, "failures": failures, "log": log}
+        phase = {"transport": timed, "timeout": timeout, "failures": failures, "log": log}
         heading = f"round {server_round}/{config.rounds} [{config.backend}]"
         outcomes, train_trips = _phase(
             server,
@@ -383,7 +413,7 @@ def run_double_blind(
         secagg_trips = 0
         if config.secure_aggregation:
             aggregate, secagg_trips = _secure_aggregate(
-                transport,
+                timed,
                 updates,
                 state.global_arrays,
                 config=config.secagg_config(min_clients),
@@ -429,6 +459,10 @@ def run_double_blind(
             failures=failures,
             seconds=time.perf_counter() - started,
             round_trips=train_trips + secagg_trips + eval_trips,
+            transport_seconds=float(sum(timed.durations)),
+            median_round_trip_seconds=float(np.median(timed.durations))
+            if timed.durations
+            else float("nan"),
         )
         state.history.append(record)
         state.round = server_round

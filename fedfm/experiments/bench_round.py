@@ -1,0 +1,319 @@
+"""``fedfm bench-round``: one double-blind round in one process and on Flower's Deployment Engine.
+
+The same run config (the distilled student in ``--workdir``, ``--clients`` clients holding an iid
+partition, one batch of ``--batch-size`` each, one round, evaluation included) runs
+
+(a) in this process (:func:`~fedfm.protocols.double_blind.runner.run_in_process`), with the
+    requested backend and with ``simulate`` for the reference loss and accuracy, and
+(b) on a local Deployment Engine as the deployment tests start it
+    (``simulations/deploy/local_federation.py``: a TLS SuperLink and authenticated SuperNodes on
+    127.0.0.1), each data owner answering in its long-lived site process (``fedfm site``) or,
+    with ``--compare-clientapp``, also in Flower's per-message ClientApp process.
+
+Both use the server's draws keyed by the same secret file, so they see the same batches and
+permutations. The Deployment Engine needs the repository's ``simulations/deploy`` (run from a
+checkout); ``--skip-deployment`` runs (a) alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import fedfm
+from fedfm.errors import ConfigError
+from fedfm.experiments.results import write_results
+
+DEPLOY = Path(fedfm.__file__).resolve().parents[1] / "simulations" / "deploy"
+SERVER_SECRET_ENV = "FEDFM_SERVER_SECRET_FILE"  # fedfm_strategies.double_blind reads it
+_ANSWERED = re.compile(r"\[site\] run (\d+): answered (\S+) \(round \d+\) in ([0-9.]+) s")
+
+
+def _deploy_module(name: str) -> ModuleType:
+    path = DEPLOY / f"{name}.py"
+    if not path.exists():
+        raise ConfigError(
+            f"bench-round's Deployment Engine part needs {path} (a repository checkout); "
+            "run it from the repository or pass --skip-deployment"
+        )
+    if str(DEPLOY) not in sys.path:
+        sys.path.insert(0, str(DEPLOY))  # local_federation imports its sibling `certificates`
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path} cannot be loaded as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_config(
+    workdir: Path,
+    checkpoint: Path,
+    *,
+    backend: str,
+    clients: int,
+    batch_size: int,
+    timeout: float,
+    max_samples: int | None,
+) -> dict[str, Any]:
+    """The run config of the benchmarked round (both parts)."""
+    config: dict[str, Any] = {
+        "num-clients": clients,
+        "rounds": 1,
+        "batches-per-round": 1,
+        "batch-size": batch_size,
+        "backend": backend,
+        "partition": "iid",
+        "workdir": str(workdir.resolve()),
+        "timeout": timeout,
+        "secagg-timeout": timeout,
+        "connect-timeout": 120.0,
+        "checkpoint-dir": str(checkpoint),
+    }
+    if max_samples is not None:
+        config["max-samples"] = max_samples
+    return config
+
+
+def in_process_round(
+    config: Mapping[str, Any], secret: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """One round in this process; its record and wall time."""
+    from fedfm.crypto.randomness import SecretStream
+    from fedfm.distillation.pipeline import load_student
+    from fedfm.protocols.double_blind.policy import DataOwnerPolicy
+    from fedfm.protocols.double_blind.runner import run_in_process
+    from fedfm.protocols.double_blind.settings import app_settings
+
+    settings = app_settings(config)
+    splits, _ = settings.student.load_data()
+    student = load_student(Path(str(config["workdir"])) / "student.pt")
+    started = time.perf_counter()
+    history, _ = run_in_process(
+        student,
+        splits,
+        settings.protocol,
+        settings.federation,
+        policy=DataOwnerPolicy(allow_plaintext=True),
+        randomness=SecretStream.from_file(secret),
+        log=log,
+        device="cpu",
+    )
+    (record,) = history
+    return {"wall_seconds": time.perf_counter() - started, **asdict(record)}
+
+
+def _site_seconds(log_text: str) -> tuple[float, int]:
+    """Seconds a site spent answering and how many messages, from its log."""
+    found = [float(match.group(3)) for match in _ANSWERED.finditer(log_text)]
+    return sum(found), len(found)
+
+
+def deployment_round(
+    config: Mapping[str, Any],
+    secret: Path,
+    workspace: Path,
+    *,
+    sites: bool,
+    clients: int,
+    node_policy: Mapping[str, Any],
+    seconds: float,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One round on a local Deployment Engine; its record, wall time and the sites' share."""
+    certificates = _deploy_module("certificates")
+    local_federation = _deploy_module("local_federation")
+    os.environ[SERVER_SECRET_ENV] = str(secret)  # the SuperLink's environment: the same draws
+    credentials = certificates.make_credentials(workspace / "credentials", nodes=clients)
+    federation = local_federation.LocalFederation(workspace / "federation", credentials)
+    try:
+        log(f"[bench-round] starting a SuperLink and {clients} SuperNodes (sites={sites})")
+        federation.start_superlink()
+        federation.register_all(clients)
+        federation.start_supernodes(clients, node_config=dict(node_policy), sites=sites)
+        federation.wait_for_nodes(clients)
+        started = time.perf_counter()
+        run_id = federation.submit(config)
+        # each poll starts a `flwr ls` process (seconds of CPU on 2 cores): rarely, the round's
+        # own time comes from the server's record, not from this wait
+        status = federation.wait_for_run(run_id, seconds=seconds, poll=15.0)
+        wall = time.perf_counter() - started
+        if status != "finished:completed":
+            raise ConfigError(
+                f"the deployment run ended {status}:\n{federation.run_log(run_id)[-3000:]}"
+            )
+        state = json.loads((Path(str(config["checkpoint-dir"])) / "state.json").read_text())
+        (record,) = state["history"]
+        answered = [_site_seconds(site.log()) for site in federation.sites.values()]
+    finally:
+        federation.close()
+    return {
+        "wall_seconds": wall,
+        **record,
+        "site_seconds": [round(total, 3) for total, _ in answered],
+        "site_messages": [count for _, count in answered],
+    }
+
+
+def _row(mode: str, backend: str, record: Mapping[str, Any]) -> dict[str, Any]:
+    trips = int(record["round_trips"])
+    sites = record.get("site_seconds") or []
+    transport = float(record.get("transport_seconds", float("nan")))
+    slowest_site = max(sites) if sites else float("nan")
+    return {
+        "mode": mode,
+        "backend": backend,
+        "round_seconds": float(record["seconds"]),
+        "run_wall_seconds": float(record["wall_seconds"]),
+        "round_trips": trips,
+        "median_round_trip_seconds": float(record.get("median_round_trip_seconds", float("nan"))),
+        "mean_round_trip_seconds": transport / trips if trips else float("nan"),
+        "server_seconds": float(record["seconds"]) - transport,
+        "transport_seconds": transport,
+        "slowest_site_seconds": slowest_site,
+        "messaging_seconds": transport - slowest_site if sites else float("nan"),
+        "train_loss": float(record["train_loss"]),
+        "balanced_accuracy": float(record["balanced_accuracy"]),
+        "clients_trained": int(record["clients_trained"]),
+        "clients_evaluated": int(record["clients_evaluated"]),
+    }
+
+
+COLUMNS = [
+    ("mode", "mode"),
+    ("backend", "backend"),
+    ("round_seconds", "round s"),
+    ("round_trips", "round trips"),
+    ("median_round_trip_seconds", "median s / round trip"),
+    ("server_seconds", "server s"),
+    ("transport_seconds", "round trips s"),
+    ("slowest_site_seconds", "slowest site s"),
+    ("messaging_seconds", "Flower messaging s"),
+    ("train_loss", "train loss"),
+    ("balanced_accuracy", "bal. acc."),
+]
+
+
+def run_round_benchmark(
+    workdir: Path,
+    *,
+    backend: str = "ckks-8192",
+    clients: int = 3,
+    batch_size: int = 16,
+    max_samples: int | None = None,
+    deployment: bool = True,
+    compare_clientapp: bool = False,
+    timeout: float = 1800.0,
+    deployment_seconds: float = 7200.0,
+    results_dir: Path = Path("results"),
+    name: str = "deployment",
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measure one round (a) in process and (b) on the Deployment Engine; write the results."""
+    from fedfm.crypto.randomness import write_secret_file
+
+    if not (workdir / "student.pt").exists():
+        raise ConfigError(f"no distilled student in {workdir}: run `fedfm distill` first")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="fedfm-bench-round-") as scratch:
+        root = Path(scratch)
+        secret = root / "server.secret"
+        write_secret_file(secret)
+
+        def config_for(chosen: str, checkpoint: str) -> dict[str, Any]:
+            return run_config(
+                workdir,
+                root / checkpoint,
+                backend=chosen,
+                clients=clients,
+                batch_size=batch_size,
+                timeout=timeout,
+                max_samples=max_samples,
+            )
+
+        log("[bench-round] (a) in process, simulate (the reference)")
+        reference = in_process_round(config_for("simulate", "simulate"), secret, log)
+        rows.append(_row("in process", "simulate", reference))
+        if backend != "simulate":
+            log(f"[bench-round] (a) in process, {backend}")
+            rows.append(
+                _row("in process", backend, in_process_round(config_for(backend, "a"), secret, log))
+            )
+        if deployment:
+            policy = {"allow-plaintext": True} if backend == "simulate" else {}
+            modes = [("deployment, site processes", True)]
+            if compare_clientapp:
+                modes.append(("deployment, ClientApp per message", False))
+            for index, (mode, sites) in enumerate(modes):
+                log(f"[bench-round] (b) {mode}, {backend}")
+                record = deployment_round(
+                    config_for(backend, f"b{index}"),
+                    secret,
+                    root / f"deploy-{index}",
+                    sites=sites,
+                    clients=clients,
+                    node_policy=policy,
+                    seconds=deployment_seconds,
+                    log=log,
+                )
+                rows.append(_row(mode, backend, record))
+
+    by_mode = {row["mode"]: row for row in rows if row["backend"] == backend}
+    in_process = by_mode.get("in process")
+    deployed = by_mode.get("deployment, site processes")
+    summary: dict[str, Any] = {
+        "backend": backend,
+        "clients": clients,
+        "batch_size": batch_size,
+        "encrypted_round_seconds_in_process": in_process["round_seconds"] if in_process else None,
+        "encrypted_round_seconds_deployment": deployed["round_seconds"] if deployed else None,
+        "deployment_overhead": deployed["round_seconds"] / in_process["round_seconds"]
+        if deployed and in_process
+        else None,
+        "seconds_per_round_trip": deployed["median_round_trip_seconds"] if deployed else None,
+        "round_trips_per_round": (in_process or rows[0])["round_trips"],
+        "reference_simulate": {
+            "train_loss": rows[0]["train_loss"],
+            "balanced_accuracy": rows[0]["balanced_accuracy"],
+        },
+    }
+    if in_process and backend != "simulate":
+        summary["train_loss_difference_vs_simulate"] = abs(
+            in_process["train_loss"] - rows[0]["train_loss"]
+        )
+    description = (
+        f"One double-blind round of the distilled student in {workdir} (digits unless its run "
+        f"says otherwise): {clients} clients (iid), 1 batch of {batch_size} each, evaluation "
+        f"included, secure aggregation on; backend `{backend}`. (a) every party in this process; "
+        "(b) a local Deployment Engine as the deployment tests start it: a TLS SuperLink and "
+        f"{clients} authenticated SuperNodes on 127.0.0.1, all on this machine's 2 cores with the "
+        "data owners' site processes (`fedfm site`, one per SuperNode) and, if compared, "
+        "Flower's per-message ClientApp process. server s = round s - time inside round trips; "
+        "slowest site s = the busiest site's own answering time (from its log); Flower messaging "
+        "s = round trips s - slowest site s: what the messages' way through SuperLink, SuperNode "
+        "and the ClientApp process costs. The server's draws are keyed by one secret file in all "
+        "modes, so every mode sees the same batches."
+    )
+    write_results(
+        results_dir,
+        name,
+        title="One encrypted double-blind round: in process vs Flower's Deployment Engine",
+        description=description,
+        rows=rows,
+        columns=COLUMNS,
+        extra={"summary": summary},
+        command=command,
+    )
+    return summary
