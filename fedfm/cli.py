@@ -176,7 +176,7 @@ def _distill(args: argparse.Namespace) -> None:
 
 def _distill_text(args: argparse.Namespace) -> None:
     from fedfm.distillation.distill import DistillConfig
-    from fedfm.distillation.text import TextDistillRun
+    from fedfm.distillation.text import TextApproxSettings, TextDistillRun
     from fedfm.experiments.text_distillation import run_text_distillation_experiment
 
     run = TextDistillRun(
@@ -186,6 +186,13 @@ def _distill_text(args: argparse.Namespace) -> None:
         aux_per_class=args.aux_per_class,
         test_per_class=args.test_per_class,
         distill_data=args.distill_data,
+        distill_texts=args.distill_texts,
+        ablation=not args.no_ablation,
+        approx=TextApproxSettings(
+            gelu_degree=None if args.gelu_degree == 0 else args.gelu_degree,
+            gelu_radius=args.gelu_radius,
+            gelu_channel_scale=not args.no_gelu_channel_scale and args.gelu_degree != 0,
+        ),
         distill=DistillConfig(
             epochs=args.epochs,
             batch_size=args.batch_size,
@@ -759,10 +766,41 @@ def build_parser() -> argparse.ArgumentParser:
     distill_text.add_argument("--test-per-class", type=int, default=text_defaults.test_per_class)
     distill_text.add_argument(
         "--distill-data",
-        choices=("aux", "public"),
+        choices=("stdlib", "aux", "public"),
         default=text_defaults.distill_data,
-        help="distill on D_aux (in distribution) or on public docstrings of other modules "
-        "labelled by the teacher (out of distribution)",
+        help="distill on --distill-texts docstrings of every standard-library module outside "
+        "the test texts and the data owners' pool (stdlib), on the labelled D_aux (aux), or on "
+        "as many public docstrings of other modules (public); unlabelled texts are labelled "
+        "by the teacher",
+    )
+    distill_text.add_argument(
+        "--distill-texts",
+        type=int,
+        default=text_defaults.distill_texts,
+        help="how many texts --distill-data stdlib distills on",
+    )
+    distill_text.add_argument(
+        "--gelu-degree",
+        type=int,
+        default=text_defaults.gelu_degree,
+        help="degree of the least-squares GELU fit (2: depth 2, 4: depth 3); 0: the paper's "
+        "quadratic Quad without a channel scale",
+    )
+    distill_text.add_argument(
+        "--gelu-radius",
+        type=float,
+        default=text_defaults.gelu_radius,
+        help="the GELU fit's domain [-radius, radius]",
+    )
+    distill_text.add_argument(
+        "--no-gelu-channel-scale",
+        action="store_true",
+        help="no per-channel input scale around the GELU polynomial",
+    )
+    distill_text.add_argument(
+        "--no-ablation",
+        action="store_true",
+        help="skip scoring the teacher's weights with one approximation at a time",
     )
     distill_text.add_argument("--epochs", type=int, default=text_defaults.epochs)
     distill_text.add_argument("--batch-size", type=int, default=text_defaults.batch_size)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfm.data.stdlib_text import build_splits
+from fedfm.data.stdlib_text import build_splits, stdlib_docstrings
 from fedfm.errors import ConfigError, DataError
 
 MAX_TOKENS = 64
@@ -172,4 +172,33 @@ def load_text_task(
         pool=train.subset(pool_index),
         test=tokenized(data.queries.texts, data.queries.labels),
         public=tokenized(data.public, np.full(len(data.public), UNLABELLED)),
+    )
+
+
+def unlabelled_texts(
+    tokenizer: Any,
+    *,
+    exclude: TextSplits,
+    count: int,
+    max_tokens: int = MAX_TOKENS,
+    seed: int = 0,
+) -> TokenizedTexts:
+    """Up to ``count`` standard-library docstrings of every module (task families, OOD and
+    public alike) that are not in ``exclude``'s ``test`` or ``pool`` split, as an unlabelled
+    ``D_aux`` (labels ``-1``): distillation needs no labels, only texts. A seeded draw; the
+    data owners' pool and the held-out test texts never enter it.
+
+    Raises :class:`ConfigError` for ``count < 1``.
+    """
+    if count < 1:
+        raise ConfigError(f"count must be >= 1, got {count}")
+    held_out = set(exclude.test.texts) | set(exclude.pool.texts)
+    texts = [item.text for item in stdlib_docstrings() if item.text not in held_out]
+    order = np.random.default_rng(seed).permutation(len(texts))[:count]
+    chosen = [texts[i] for i in sorted(order.tolist())]
+    return TokenizedTexts(
+        chosen,
+        tokenize(chosen, tokenizer, max_tokens=max_tokens),
+        torch.full((len(chosen),), UNLABELLED, dtype=torch.int64),
+        len(exclude.classes),
     )

@@ -8,11 +8,20 @@ mean-pooled output over ``D_aux``), convert encoder and head into the FHE-friend
 non-linearities are scored on the held-out test texts.
 
 ``distill_data``: ``aux`` distills on ``D_aux`` with its labels (in distribution); ``public`` on
-as many texts of other standard-library modules, labelled by the teacher (out of distribution).
+as many texts of other standard-library modules, labelled by the teacher (out of distribution);
+``stdlib`` on ``distill_texts`` docstrings of every standard-library module outside the test
+texts and the data owners' pool (:func:`fedfm.data.text_task.unlabelled_texts`), labelled by the
+teacher: distillation needs no labels, so ``D_aux`` can be far larger than the labelled set.
+
+The GELU: a pretrained encoder's GELU inputs reach far outside the paper's Quad domain, and Quad
+alone leaves MiniLM at chance. :class:`TextApproxSettings` can choose a least-squares GELU fit
+with a per-channel input scale (:class:`fedfm.approx.ChannelScaledGELU`), calibrated once on
+the teacher's weights before distillation.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -23,10 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfm.approx.modules import calibrate, calibrated_modules, clamped_count, reset_clamped
-from fedfm.approx.specs import ApproxConfig
+from fedfm.approx.modules import (
+    calibrate,
+    calibrate_gelu_scales,
+    calibrated_modules,
+    clamped_count,
+    reset_clamped,
+)
+from fedfm.approx.specs import QUAD_GELU, ApproxConfig
 from fedfm.data.stdlib_text import TASK_FAMILIES
-from fedfm.data.text_task import TextSplits, load_text_task
+from fedfm.data.text_task import TextSplits, load_text_task, unlabelled_texts
 from fedfm.distillation.distill import DistillConfig, calibration_batches, distill
 from fedfm.distillation.text_defaults import TEXT_DISTILL_DEFAULTS as DEFAULTS
 from fedfm.distillation.training import Scores, predict, score
@@ -34,8 +49,19 @@ from fedfm.errors import ConfigError
 from fedfm.models.fhe_text import FheTextClassifier, load_text_encoder, to_fhe_text
 from fedfm.models.student import ApproxSettings
 
-DISTILL_DATA = ("aux", "public")
+DISTILL_DATA = ("aux", "public", "stdlib")
 ENCODE_BATCH = 64
+
+
+@dataclass(frozen=True)
+class TextApproxSettings(ApproxSettings):
+    """:class:`ApproxSettings` plus the text encoder's GELU choice: ``gelu_degree`` ``None`` is
+    the paper's Quad, a degree the least-squares fit on ``[-gelu_radius, gelu_radius]``;
+    ``gelu_channel_scale`` adds the per-channel calibrated input scale."""
+
+    gelu_degree: int | None = DEFAULTS.gelu_degree
+    gelu_radius: float = DEFAULTS.gelu_radius
+    gelu_channel_scale: bool = DEFAULTS.gelu_channel_scale
 
 
 @dataclass(frozen=True)
@@ -49,8 +75,10 @@ class TextDistillRun:
     pool_per_class: int = DEFAULTS.pool_per_class
     test_per_class: int = DEFAULTS.test_per_class
     distill_data: str = DEFAULTS.distill_data
+    distill_texts: int = DEFAULTS.distill_texts  # how many texts ``stdlib`` distills on
     head_c: float = DEFAULTS.head_c  # inverse L2 strength of the teacher's logistic regression
-    approx: ApproxSettings = field(default_factory=ApproxSettings)
+    ablation: bool = DEFAULTS.ablation  # also score one approximation at a time (slower)
+    approx: TextApproxSettings = field(default_factory=TextApproxSettings)
     distill: DistillConfig = field(
         default_factory=lambda: DistillConfig(
             epochs=DEFAULTS.epochs,
@@ -67,6 +95,8 @@ class TextDistillRun:
                 f"unknown distillation data {self.distill_data!r}; choose one of "
                 f"{list(DISTILL_DATA)}"
             )
+        if self.distill_texts < 1:
+            raise ConfigError(f"distill_texts must be >= 1, got {self.distill_texts}")
         if self.head_c <= 0:
             raise ConfigError(f"head_c must be > 0, got {self.head_c}")
 
@@ -96,13 +126,21 @@ def train_head(
 
 
 def distillation_texts(
-    run: TextDistillRun, splits: TextSplits, teacher: FheTextClassifier
+    run: TextDistillRun, splits: TextSplits, teacher: FheTextClassifier, tokenizer: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The token ids the student is distilled on and the labels of stage II."""
     if run.distill_data == "aux":
         return splits.aux.input_ids, splits.aux.labels
-    count = min(len(splits.public), len(splits.aux))
-    input_ids = splits.public.input_ids[:count]
+    if run.distill_data == "stdlib":
+        input_ids = unlabelled_texts(
+            tokenizer,
+            exclude=splits,
+            count=run.distill_texts,
+            max_tokens=run.max_tokens,
+            seed=run.seed,
+        ).input_ids
+    else:
+        input_ids = splits.public.input_ids[: min(len(splits.public), len(splits.aux))]
     return input_ids, predict(teacher, input_ids, batch_size=ENCODE_BATCH)
 
 
@@ -119,17 +157,43 @@ ABLATION: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+def polynomial_student(
+    teacher: FheTextClassifier, approx: ApproxConfig, calibration: list[torch.Tensor]
+) -> FheTextClassifier:
+    """The teacher's weights under ``approx``, calibrated on ``calibration``: the GELU scales
+    (if any) on the GELU inputs of the otherwise exact model, then the division bounds."""
+    if approx.gelu_channel_scale:
+        gelu_only = teacher.with_approx(
+            ApproxConfig(exp=None, inverse=None, gelu=approx.gelu, inv_sqrt=None,
+                         gelu_channel_scale=True)
+        )  # fmt: skip
+        calibrate_gelu_scales(gelu_only, calibration)
+        student = gelu_only.with_approx(approx)  # keeps the scales
+    else:
+        student = teacher.with_approx(approx)
+    calibrate(student, calibration)
+    return student
+
+
 def approximation_ablation(
-    teacher: FheTextClassifier, splits: TextSplits, calibration: list[torch.Tensor]
+    teacher: FheTextClassifier,
+    splits: TextSplits,
+    calibration: list[torch.Tensor],
+    approx: ApproxConfig,
 ) -> dict[str, float]:
     """Test accuracy of the teacher's weights with one approximation at a time (calibrated on
-    ``calibration``, not distilled)."""
-    out = {}
-    for name, settings in ABLATION.items():
-        model = teacher.with_approx(ApproxConfig.build(**settings))
-        calibrate(model, calibration)
-        out[name] = _score(model, splits).accuracy
-    return out
+    ``calibration``, not distilled); a fitted GELU (``approx``'s) adds its own row."""
+    configs = {name: ApproxConfig.build(**settings) for name, settings in ABLATION.items()}
+    if approx.gelu is not None and approx.gelu.name != QUAD_GELU.name:
+        scaled = ", channel-scaled" if approx.gelu_channel_scale else ""
+        configs[f"GELU ({approx.gelu.name}{scaled})"] = ApproxConfig(
+            exp=None, inverse=None, gelu=approx.gelu, inv_sqrt=None,
+            gelu_channel_scale=approx.gelu_channel_scale,
+        )  # fmt: skip
+    return {
+        name: _score(polynomial_student(teacher, config, calibration), splits).accuracy
+        for name, config in configs.items()
+    }
 
 
 def _score(model: FheTextClassifier, splits: TextSplits) -> Scores:
@@ -141,6 +205,7 @@ def run_text_distillation(
 ) -> tuple[dict[str, Any], FheTextClassifier]:
     """Run the offline step for text; return the report and the distilled student."""
     started = time.perf_counter()
+    load_at_start = list(os.getloadavg())
     approx = run.approx.build()
     encoder, tokenizer = load_text_encoder(run.model)
     splits = load_text_task(
@@ -169,8 +234,8 @@ def run_text_distillation(
     teacher.classifier = train_head(teacher, splits.aux.input_ids, splits.aux.labels, c=run.head_c)
     teacher.eval()
     teacher_seconds = time.perf_counter() - started
-    student = teacher.with_approx(approx)
-    texts, labels = distillation_texts(run, splits, teacher)
+    texts, labels = distillation_texts(run, splits, teacher, tokenizer)
+    student = polynomial_student(teacher, approx, calibration_batches(texts, run.distill))
     log(f"[fedfm] student {approx.settings()}: distilling on {run.distill_data} ({len(texts)})")
     history = distill(student, teacher, texts, labels, run.distill, progress=progress, log=log)
     distill_seconds = time.perf_counter() - started - teacher_seconds
@@ -180,11 +245,14 @@ def run_text_distillation(
     student_scores = _score(student, splits)
     test_clamped = clamped_count(student)
     exact_scores = _score(student.with_approx(ApproxConfig.exact()), splits)
-    undistilled = teacher.with_approx(approx)
+    undistilled = polynomial_student(teacher, approx, calibration_batches(texts, run.distill))
     reset_clamped(undistilled)
-    calibrate(undistilled, calibration_batches(texts, run.distill))
     undistilled_scores = _score(undistilled, splits)
-    ablation = approximation_ablation(teacher, splits, calibration_batches(texts, run.distill))
+    ablation = (
+        approximation_ablation(teacher, splits, calibration_batches(texts, run.distill), approx)
+        if run.ablation
+        else {}
+    )
     gap = 100 * (teacher_scores.accuracy - student_scores.accuracy)
     config = encoder.config
     report: dict[str, Any] = {
@@ -229,6 +297,8 @@ def run_text_distillation(
         },
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        # a shared machine: how busy it was tells how far the seconds are from an idle run
+        "load_average": {"start": load_at_start, "end": list(os.getloadavg())},
     }
     log(
         f"[fedfm] test accuracy: teacher {teacher_scores.accuracy:.4f}, FHE-friendly student "

@@ -44,7 +44,7 @@ from transformers import (
 from transformers.activations import GELUActivation, NewGELUActivation, PytorchGELUTanh
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax
+from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax, ChannelScaledGELU
 from fedfm.approx.specs import ApproxConfig
 from fedfm.errors import ConfigError, DataError, ModelError
 from fedfm.models.intermediates import Intermediates
@@ -174,15 +174,25 @@ def load_text_encoder(source: str | Path = "minilm") -> tuple[PreTrainedModel, A
     return model.eval(), tokenizer
 
 
-def _swap_modules(module: nn.Module, approx: ApproxConfig) -> None:
+def _gelu(approx: ApproxConfig, approximate: str, channels: int, source: nn.Module) -> ApproxGELU:
+    if approx.gelu is not None and approx.gelu_channel_scale:
+        scaled = ChannelScaledGELU(approx.gelu, channels, approximate=approximate)
+        if isinstance(source, ChannelScaledGELU):  # a copy keeps the calibrated scale
+            scaled.channel_scale.copy_(source.channel_scale)
+        return scaled
+    return ApproxGELU(approx.gelu, approximate=approximate)
+
+
+def _swap_modules(module: nn.Module, approx: ApproxConfig, channels: int) -> None:
+    """Replace the non-linearities under ``module``; ``channels`` is the GELU's input width."""
     for name, child in module.named_children():
         if isinstance(child, GELUActivation | nn.GELU | ApproxGELU):
             # transformers' GELUActivation is exact; its tanh variants are other classes
             exact = isinstance(child, GELUActivation)
             approximate = "none" if exact else getattr(child, "approximate", "none")
-            setattr(module, name, ApproxGELU(approx.gelu, approximate=approximate))
+            setattr(module, name, _gelu(approx, approximate, channels, child))
         elif isinstance(child, _TANH_GELU):
-            setattr(module, name, ApproxGELU(approx.gelu, approximate="tanh"))
+            setattr(module, name, _gelu(approx, "tanh", channels, child))
         elif isinstance(child, nn.LayerNorm | ApproxLayerNorm):
             setattr(module, name, ApproxLayerNorm.replacing(child, approx.inv_sqrt))
         elif isinstance(child, _UNSUPPORTED):
@@ -190,7 +200,7 @@ def _swap_modules(module: nn.Module, approx: ApproxConfig) -> None:
                 f"module {name} is a {type(child).__name__}, which has no FHE-friendly replacement"
             )
         else:
-            _swap_modules(child, approx)
+            _swap_modules(child, approx, channels)
 
 
 def _self_attentions(layer: nn.Module) -> list[nn.Module]:
@@ -400,8 +410,9 @@ def to_fhe_text(
     layers: Any = encoder
     for part in ENCODER_LAYERS[config.model_type].split("."):
         layers = getattr(layers, part)
+    channels = int(getattr(config, "intermediate_size", 0) or getattr(config, "hidden_dim", 0))
     for layer in layers:
-        _swap_modules(layer, approx)
+        _swap_modules(layer, approx, channels)
         attention = _self_attentions(layer)[0]
         attention.fhe_softmax = FheSoftmax(ApproxSoftmax(approx.exp, approx.inverse))
     return FheTextClassifier(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedfm.data.text_task import TokenizedTexts, load_text_task, tokenize
-from fedfm.errors import DataError
+from fedfm.errors import ConfigError, DataError
 
 
 @functools.cache
@@ -63,3 +63,19 @@ def test_text_task_splits_are_disjoint_balanced_and_tokenized() -> None:
     texts = [set(split.texts) for split in (splits.aux, splits.pool, splits.test, splits.public)]
     assert sum(len(t) for t in texts) == len(set().union(*texts))
     assert splits.aux.input_ids.shape[1] == 64
+
+
+@pytest.mark.slow
+def test_unlabelled_texts_leave_out_the_test_texts_and_the_pool() -> None:
+    from fedfm.data.text_task import unlabelled_texts
+
+    splits = load_text_task(minilm_tokenizer(), aux_per_class=5, pool_per_class=4,
+                            test_per_class=3)  # fmt: skip
+    texts = unlabelled_texts(minilm_tokenizer(), exclude=splits, count=3000, max_tokens=32)
+    assert len(texts) == 3000 and len(set(texts.texts)) == 3000
+    assert not set(texts.texts) & (set(splits.test.texts) | set(splits.pool.texts))
+    assert (texts.labels == -1).all() and texts.input_ids.shape == (3000, 32)
+    again = unlabelled_texts(minilm_tokenizer(), exclude=splits, count=3000, max_tokens=32)
+    assert again.texts == texts.texts  # a seeded draw
+    with pytest.raises(ConfigError, match="count must be >= 1"):
+        unlabelled_texts(minilm_tokenizer(), exclude=splits, count=0)

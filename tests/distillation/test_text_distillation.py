@@ -16,8 +16,31 @@ def test_command_and_run_take_their_defaults_from_the_table() -> None:
     for name, value in TEXT_DISTILL_DEFAULTS._asdict().items():
         if hasattr(args, name):
             assert getattr(args, name) == value, name
-        holder = run.distill if hasattr(run.distill, name) else run
+        holder = next(h for h in (run.distill, run.approx, run) if hasattr(h, name))
         assert getattr(holder, name) == value, name
+
+
+def test_gelu_options_reach_the_run(monkeypatch) -> None:
+    import fedfm.experiments.text_distillation as experiment
+
+    seen = []
+    monkeypatch.setattr(
+        experiment, "run_text_distillation_experiment", lambda run, **_: seen.append(run)
+    )
+    assert (
+        main(["distill-text", "--gelu-degree", "0", "--distill-texts", "50", "--no-ablation"]) == 0
+    )
+    assert main(["distill-text", "--gelu-degree", "2", "--no-gelu-channel-scale"]) == 0
+    quad, fitted = (run.approx.build() for run in seen)
+    assert quad.gelu is not None and quad.gelu.name == "gelu_quad" and not quad.gelu_channel_scale
+    assert seen[0].distill_texts == 50 and not seen[0].ablation
+    assert fitted.gelu is not None and fitted.gelu.degree == 2 and not fitted.gelu_channel_scale
+    assert seen[1].ablation
+
+
+def test_too_few_distillation_texts_are_refused() -> None:
+    with pytest.raises(ConfigError, match="distill_texts must be >= 1"):
+        TextDistillRun(distill_texts=0)
 
 
 def test_unknown_distillation_data_is_refused() -> None:

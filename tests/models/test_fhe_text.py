@@ -217,3 +217,30 @@ def test_packaged_minilm_exact_conversion_matches() -> None:
     torch.testing.assert_close(
         blocks_hidden(model, ids)[real], hf_hidden(encoder, ids)[real], rtol=1e-4, atol=1e-4
     )
+
+
+def test_channel_scaled_gelu_is_calibrated_once_and_kept_by_copies() -> None:
+    from fedfm.approx import ChannelScaledGELU
+    from fedfm.distillation.text import polynomial_student
+
+    teacher = to_fhe_text(tiny_bert(), ApproxConfig.exact(), num_classes=3, pad_token_id=PAD)
+    approx = ApproxConfig.build(gelu_degree=2, gelu_radius=1.0, gelu_channel_scale=True)
+    ids = padded_ids()
+    student = polynomial_student(teacher, approx, [ids])
+    gelus = [m for m in student.modules() if isinstance(m, ChannelScaledGELU)]
+    assert len(gelus) == 2 and all(g.channel_scale.shape == (32,) for g in gelus)
+    assert all((g.channel_scale > 1).any() for g in gelus)  # inputs beyond [-1, 1] were seen
+    scales = [g.channel_scale.clone() for g in gelus]
+    calibrate(student, [ids * 0 + 7])  # re-fixing the division bounds keeps the GELU scales
+    copy = student.with_approx(approx)
+    for model in (student, copy):
+        kept = [m.channel_scale for m in model.modules() if isinstance(m, ChannelScaledGELU)]
+        for old, new in zip(scales, kept, strict=True):
+            torch.testing.assert_close(new, old)
+    # padding still changes nothing for the real tokens
+    calibrate(student, [ids])
+    student.eval()
+    for row, length in enumerate((10, 6, 3)):
+        alone = blocks_hidden(student, ids[row : row + 1, :length])[0]
+        torch.testing.assert_close(blocks_hidden(student, ids)[row, :length], alone,
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
