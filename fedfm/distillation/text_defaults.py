@@ -1,8 +1,9 @@
 """Defaults of ``fedfm distill-text`` (no heavy imports: the ``fedfm`` parser reads them).
 
-Sized for about 15 minutes on 2 idle cores: 20 texts per family for the teacher's head, 20 test
-texts per family, and 320 unlabelled standard-library docstrings distilled for 2 epochs (one per
-stage). App. D.2 uses far more. The GELU is the least-squares quartic on [-4, 4] behind a
+Sized for a budget of about 15 minutes on 2 cores: 20 texts per family for the teacher's head,
+20 test texts per family, and 320 unlabelled standard-library docstrings distilled for 2 epochs
+(one per stage); measured 1431 s while another benchmark kept the load at about 6.7
+(docs/text_encoder.md), an idle machine not measured. App. D.2 uses far more. The GELU is the least-squares quartic on [-4, 4] behind a
 per-channel calibrated input scale (the paper's Quad leaves MiniLM at chance).
 """
 
