@@ -3,8 +3,9 @@
 Sized for a budget of about 15 minutes on 2 cores: 20 texts per family for the teacher's head,
 20 test texts per family, and 320 unlabelled standard-library docstrings distilled for 2 epochs
 (one per stage); measured 1431 s while another benchmark kept the load at about 6.7
-(docs/text_encoder.md), an idle machine not measured. App. D.2 uses far more. The GELU is the least-squares quartic on [-4, 4] behind a
-per-channel calibrated input scale (the paper's Quad leaves MiniLM at chance).
+(docs/text_encoder.md), an idle machine not measured. App. D.2 uses far more. The GELU is the
+least-squares quartic on [-4, 4] behind a per-channel calibrated input scale (the paper's Quad
+leaves MiniLM at chance).
 """
 
 from __future__ import annotations
