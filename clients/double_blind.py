@@ -30,14 +30,7 @@ from flwr.app import Context, RecordDict
 
 from fedfm.flower import codec
 from fedfm.flower.apps import make_client_app, node_config
-from fedfm.protocols.double_blind.config import (
-    EVALUATE_BLOCK,
-    REFRESH,
-    SETUP,
-    TRAIN_BLOCK,
-    TRAIN_LOSS,
-    TRAIN_SECAGG,
-)
+from fedfm.protocols.double_blind.config import MESSAGE_TYPES
 
 if TYPE_CHECKING:  # torch and the crypto backends load with the role, not with this module
     from fedfm.protocols.double_blind.client import ClientState, DoubleBlindClient
@@ -80,6 +73,6 @@ def load_state(record_dict: RecordDict) -> ClientState:
 app = make_client_app(
     client_role,
     state_type,
-    message_types=(SETUP, TRAIN_BLOCK, TRAIN_LOSS, TRAIN_SECAGG, EVALUATE_BLOCK, REFRESH),
+    message_types=MESSAGE_TYPES,
     state_name=STATE_NAME,
 )

@@ -1282,9 +1282,16 @@ def _add_bench_round_command(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--backend", default="ckks-8192", help="ckks-8192 (default), ckks, simulate")
     bench.add_argument("--clients", type=int, default=3)
     bench.add_argument("--batch-size", type=int, default=16)
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds per run (2): round 1 evaluates under encryption, later rounds on the "
+        "clients' kept outputs",
+    )
     bench.add_argument("--max-samples", type=int, default=None, help="cap each split")
     bench.add_argument(
-        "--skip-deployment", action="store_true", help="only the in-process round (a)"
+        "--skip-deployment", action="store_true", help="only the in-process rounds (a)"
     )
     bench.add_argument(
         "--compare-clientapp",
@@ -1309,6 +1316,7 @@ def _bench_round(args: argparse.Namespace) -> None:
         backend=args.backend,
         clients=args.clients,
         batch_size=args.batch_size,
+        rounds=args.rounds,
         max_samples=args.max_samples,
         deployment=not args.skip_deployment,
         compare_clientapp=args.compare_clientapp,

@@ -343,6 +343,63 @@ def round_replay(arena: Arena) -> AttackResult:
     )
 
 
+# -- 5b. evaluation flood -------------------------------------------------------------------------
+
+# Evaluations an active server asks one client for, each with a head of its choosing, after the
+# client's first (full) evaluation of round 1.
+FLOOD_REQUESTS = 12
+
+
+def _evaluations_answered(arena: Arena, *, bounded: bool) -> float:
+    """Evaluations client 0 answers: round 1 in full, then :data:`FLOOD_REQUESTS` later rounds
+    on its kept outputs, each a confusion matrix of its held-out set under a head the server
+    chose, at no encrypted cost to the server. ``bounded=False`` emulates a client that does not
+    hold the server to the rounds it announced at setup."""
+    server, client, state, _ = _pair(arena)
+    arrays = server.initial_arrays(arena.model.vit.embed_dim)
+    answered = 0
+    for server_round in range(1, 2 + FLOOD_REQUESTS):
+        if not bounded:
+            state = replace(state, config={**state.config, "rounds": 10**6})
+        heads = np.random.default_rng(server_round)  # the server's chosen heads
+        chosen = {k: v + heads.normal(0, 1, v.shape).astype(v.dtype) for k, v in arrays.items()}
+        request: Any = server.start("evaluate", 0, server_round, chosen)
+        try:
+            while isinstance(request, Envelope):
+                reply, state = client.handle(request, state)
+                request = server.on_reply(reply)
+        except ProtocolError:  # refused (and the client left the run)
+            break
+        answered += 1
+    return float(answered)
+
+
+def evaluation_flood(arena: Arena) -> AttackResult:
+    """An active server asks for evaluations under heads of its choosing, round after round."""
+    value = _evaluations_answered(arena, bounded=True)
+    return AttackResult(
+        name="evaluation_flood",
+        target="the data owner's held-out data (a confusion matrix per head the server chooses)",
+        adversary="active server",
+        outcome=DEFENDED if value <= arena.config.rounds else SUCCEEDS,
+        figure=(
+            f"evaluations the client answers when the server asks for {FLOOD_REQUESTS + 1} "
+            f"in a run announced with {arena.config.rounds} rounds"
+        ),
+        value=value,
+        control=_evaluations_answered(arena, bounded=False),
+        test=f"{TESTS}::test_evaluation_flood",
+        detail=(
+            "after its first evaluation a client keeps the frozen blocks' outputs on its "
+            "held-out set and later evaluations cost the server nothing (evaluate.cached); "
+            "control: a client that answers any later round; now: rounds move forward, at most "
+            "the rounds announced at setup and the data owner's max-rounds. Residual: each "
+            "answered round still gives the server a confusion matrix under a head it chose "
+            "(as every evaluation always did; see docs/double_blind.md)"
+        ),
+    )
+
+
 # Questions the oracle attack asks per secret, the secrets it goes after (indices of client 0's
 # training images) and the public range of a normalised pixel mean it bisects.
 ORACLE_QUESTIONS = 8
@@ -378,7 +435,9 @@ def _oracle_answers(arena: Arena, image: int, *, leaves: bool) -> int:
     ``leaves=False`` emulates the client before it left the run on a refusal (a refused request
     left its state as it was, so the server could ask again at once).
     """
-    server, client, state, _ = _pair(arena)
+    # a run announced with enough rounds for every question (one per accepted loss)
+    config = replace(arena.config, rounds=ORACLE_QUESTIONS + 1)
+    server, client, state, _ = _pair(arena, config=config)
     secret = float(arena.data[0].train_images[image].mean())
     low, high = ORACLE_RANGE
     answered, server_round = 0, 1
@@ -736,6 +795,7 @@ ARENA_ATTACKS: dict[str, ArenaAttack] = {
     "secure_aggregation_downgrade": secure_aggregation_downgrade,
     "round_replay": round_replay,
     "loss_decryption_oracle": loss_decryption_oracle,
+    "evaluation_flood": evaluation_flood,
 }
 STANDALONE_ATTACKS: dict[str, Callable[[], AttackResult]] = {
     "refresh_distance_per_run": refresh_distance_per_run,

@@ -55,6 +55,8 @@ def test_the_sites_answering_time_is_read_from_the_lines_a_site_writes() -> None
             thread.join(10)
     total, count = _site_seconds("\n".join(lines))
     assert count == 3 and 0.0 <= total < 5.0
+    text = "\n".join(lines)
+    assert _site_seconds(text, 1)[1] == 3 and _site_seconds(text, 2) == (0, 0)  # one round's
 
 
 def test_a_rows_messaging_time_is_the_round_trips_minus_the_busiest_site() -> None:
@@ -88,6 +90,7 @@ def test_bench_round_and_site_refuse_bad_input_in_one_line(
 
     assert "--clients must be at least 2" in refused(["bench-round", "--clients", "1"])
     assert "no distilled student" in refused(["bench-round", "--workdir", str(tmp_path)])
+    assert "--rounds must be at least 1" in refused(["bench-round", "--rounds", "0"])
     with tempfile.TemporaryDirectory(prefix="site-") as name:  # a short path: a Unix socket's
         loose = Path(name) / "site"
         loose.mkdir()

@@ -65,6 +65,14 @@ def test_round_replay(arena: Arena) -> None:
     assert (result.control, result.value) == (2.0, 1.0)
 
 
+def test_evaluation_flood(arena: Arena) -> None:
+    """After one full evaluation, kept evaluations are free for the server: a client answers
+    only the rounds announced at setup (3 of the 13 asked), a client without the bound all."""
+    result = red_team.evaluation_flood(arena)
+    check(result, "evaluation_flood")
+    assert (result.value, result.control) == (3.0, 1.0 + red_team.FLOOD_REQUESTS)
+
+
 def test_loss_decryption_oracle(arena: Arena) -> None:
     """Yes/no questions hidden in train.loss: every one answered by a client whose refusals
     left its state alone (a bisection of the pixel to 2^-8 of its range), at most the answers

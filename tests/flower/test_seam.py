@@ -65,14 +65,7 @@ def test_a_client_app_that_refuses_after_decrypting_keeps_the_left_state_and_no_
     from fedfm.experiments import red_team
     from fedfm.flower.apps import make_client_app
     from fedfm.protocols.double_blind.client import LEFT
-    from fedfm.protocols.double_blind.config import (
-        EVALUATE_BLOCK,
-        REFRESH,
-        SETUP,
-        TRAIN_BLOCK,
-        TRAIN_LOSS,
-        TRAIN_SECAGG,
-    )
+    from fedfm.protocols.double_blind.config import MESSAGE_TYPES, TRAIN_LOSS
     from fedfm.protocols.double_blind.messages import pack_batches, unpack_batches
     from fedfm.runtime.transport import Envelope
 
@@ -81,7 +74,7 @@ def test_a_client_app_that_refuses_after_decrypting_keeps_the_left_state_and_no_
     app = make_client_app(
         lambda _context: client,
         ClientState,
-        message_types=(SETUP, TRAIN_BLOCK, TRAIN_LOSS, TRAIN_SECAGG, EVALUATE_BLOCK, REFRESH),
+        message_types=MESSAGE_TYPES,
         state_name="fedfm.test",
     )
     context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})

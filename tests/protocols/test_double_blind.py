@@ -20,6 +20,7 @@ from fedfm.errors import (
     ConfigError,
     CryptoParameterError,
     DataError,
+    ProtocolAbort,
     ProtocolError,
 )
 from fedfm.experiments.observed import run_observed
@@ -34,14 +35,17 @@ from fedfm.protocols.double_blind import (
     WeightedAverage,
     runner,
 )
+from fedfm.protocols.double_blind.client import KEPT
 from fedfm.protocols.double_blind.config import (
+    EVALUATE_BLOCK,
+    EVALUATE_CACHED,
     SETUP,
     TRAIN_BLOCK,
     TRAIN_LOSS,
     TRAIN_SECAGG,
     revealed_blocks,
 )
-from fedfm.protocols.double_blind.messages import SIZE_ARRAYS
+from fedfm.protocols.double_blind.messages import SIZE_ARRAYS, pack_arrays
 from fedfm.protocols.double_blind.permutation import draw_round_permutations, relative
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import Federation, federation_data
@@ -274,6 +278,64 @@ def test_messages_out_of_order_are_refused_without_losing_state(model, splits) -
     assert reply.message_type == TRAIN_BLOCK
 
 
+def _evaluate(server, client, state, server_round, arrays):
+    """One evaluation between the roles: the requests the client saw, its result and state."""
+    request = server.start("evaluate", 7, server_round, arrays)
+    seen = []
+    while isinstance(request, Envelope):
+        seen.append(request.message_type)
+        reply, state = client.handle(request, state)
+        request = server.on_reply(reply)
+    return seen, request, state
+
+
+def test_later_evaluations_use_the_outputs_the_client_kept(model, splits) -> None:
+    """The frozen blocks' outputs on the held-out set are sent once: a later evaluation is one
+    ``evaluate.cached`` message with the new head, and scores it as a full evaluation would."""
+    config = small_config(rounds=4)
+    server, client, state = setup_pair(model, splits, config)
+    first = server.initial_arrays(96)
+    noise = np.random.default_rng(0)  # another head: the initial one predicts a single class
+    second = {k: v + noise.normal(0, 0.5, v.shape).astype(v.dtype) for k, v in first.items()}
+    shown = server.num_blocks
+    seen, full, state = _evaluate(server, client, state, 1, first)
+    assert seen == [EVALUATE_BLOCK] * shown and full.confusion.sum() == 20
+    assert server.sessions[7].evaluation_kept and state.group(KEPT)
+    seen, kept, kept_state = _evaluate(server, client, state, 2, second)
+    assert seen == [EVALUATE_CACHED]
+    # the same scores as a full evaluation of the second head (a fresh client and server)
+    server_b, client_b, state_b = setup_pair(model, splits, config)
+    _, reference, _ = _evaluate(server_b, client_b, state_b, 1, second)
+    np.testing.assert_array_equal(kept.confusion, reference.confusion)
+    assert not np.array_equal(full.confusion, kept.confusion)  # the head did change the scores
+    # rounds only move forward: the kept evaluation of round 2 is not answered twice
+    request = Envelope(EVALUATE_CACHED, 7, 2, pack_arrays("global", second), {"num_blocks": shown})
+    with pytest.raises(ProtocolAbort, match="already evaluated round 2"):
+        client.handle(request, kept_state)
+    # its policy bounds the evaluations a server may ask for (each costs the server nothing)
+    bounded = DoubleBlindClient(make_data(splits), BACKEND, policy=replace(PLAIN, max_rounds=2))
+    later = replace(request, round=3)
+    with pytest.raises(ProtocolAbort, match="round 3 is past the policy's max-rounds=2"):
+        bounded.handle(later, kept_state)
+    # and the run's rounds, announced at setup, bound them by default
+    with pytest.raises(ProtocolAbort, match="round 5 is past the 4 rounds the server announced"):
+        client.handle(replace(request, round=5), kept_state)
+    # a client that lost its copy (a new key: setup again) says so, and the server evaluates in
+    # full in the same round
+    reply, fresh = client.handle(server.setup_request(7), kept_state)
+    server.on_setup(reply)
+    server.sessions[7].evaluation_kept = True  # the server still thinks the client kept them
+    seen, again, _ = _evaluate(server, client, fresh, 3, second)
+    assert seen == [EVALUATE_CACHED] + [EVALUATE_BLOCK] * shown
+    np.testing.assert_array_equal(again.confusion, reference.confusion)
+    # a reply to a kept evaluation that counts other samples is refused by the server
+    server.start("evaluate", 7, 4, second)
+    counts = {"confusion": np.eye(10, dtype=np.int64)}
+    forged = Envelope(EVALUATE_CACHED, 7, 4, counts, {"kept": True})
+    with pytest.raises(ProtocolError, match="counts 10 samples"):
+        server.on_reply(forged)
+
+
 def test_wrong_shapes_are_refused_by_the_server(model, splits) -> None:
     server, client, state = setup_pair(model, splits)
     request = server.start("train", 7, 1, server.initial_arrays(96))
@@ -407,11 +469,12 @@ def test_in_process_run_accounts_round_trips(model, splits) -> None:
     assert [record.round for record in history] == [1, 2, 3]
     assert all(np.isfinite(record.train_loss) for record in history)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history)
-    # R + 1 round trips to train, 4 SecAgg stages and R to evaluate, per round (R revealed
-    # blocks); plus setup
+    # R + 1 round trips to train and 4 SecAgg stages per round (R revealed blocks); R to
+    # evaluate in round 1 and one in later rounds (the clients kept the frozen blocks' outputs
+    # on their held-out sets); plus setup
     shown = len(revealed_blocks(config.reveal, model.num_blocks))
-    assert all(record.round_trips == 2 * shown + 5 for record in history)
-    assert transport.stats.round_trips == 1 + 3 * (2 * shown + 5)
+    assert [record.round_trips for record in history] == [2 * shown + 5] + [shown + 6] * 2
+    assert transport.stats.round_trips == 1 + (2 * shown + 5) + 2 * (shown + 6)
 
 
 def test_progress_lines_say_where_each_client_stands(model, splits) -> None:
@@ -463,7 +526,8 @@ def test_evaluate_every_skips_evaluations_but_not_the_last(model, splits) -> Non
     assert [record.clients_evaluated for record in history] == [0, 2, 2]
     assert np.isnan(history[0].balanced_accuracy) and np.isnan(history[0].accuracy)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history[1:])
-    assert [record.round_trips for record in history] == [shown + 5] + [2 * shown + 5] * 2
+    # round 2 is the first evaluation (R round trips), round 3 evaluates on the kept outputs (1)
+    assert [record.round_trips for record in history] == [shown + 5, 2 * shown + 5, shown + 6]
     # where a round's time went: inside the round trips (clients and messages) and the rest
     for record in history:
         assert 0.0 < record.median_round_trip_seconds <= record.transport_seconds

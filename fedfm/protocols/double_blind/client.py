@@ -47,6 +47,7 @@ from fedfm.models.device import to_numpy
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
+    EVALUATE_CACHED,
     REFRESH,
     SETUP,
     TRAIN_BLOCK,
@@ -59,6 +60,7 @@ from fedfm.protocols.double_blind.messages import (
     batch_reply,
     geometry_from,
     pack_arrays,
+    require_config,
     unpack_arrays,
     unpack_batches,
 )
@@ -163,14 +165,20 @@ class ClientState:
 # is discarded), but rounds only move forward (:meth:`DoubleBlindClient._open_round`); other
 # blocks follow in order; ``train.loss`` only after the last block. Refreshes re-encrypt masked
 # ciphertexts and change nothing, so they are served in every stage after setup.
+_OPEN = {TRAIN_BLOCK, EVALUATE_BLOCK, EVALUATE_CACHED, REFRESH}  # a round may start
 ALLOWED = {
     "new": {SETUP},
-    "ready": {SETUP, TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
-    "train": {TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_LOSS, REFRESH},
-    "trained": {TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
-    "secagg": {TRAIN_BLOCK, EVALUATE_BLOCK, TRAIN_SECAGG, REFRESH},
-    "evaluate": {TRAIN_BLOCK, EVALUATE_BLOCK, REFRESH},
+    "ready": {SETUP, *_OPEN},
+    "train": {TRAIN_LOSS, *_OPEN},
+    "trained": {TRAIN_SECAGG, *_OPEN},
+    "secagg": {TRAIN_SECAGG, *_OPEN},
+    "evaluate": _OPEN,
 }
+# The arrays a client keeps from its first full evaluation (group ``kept``): the revealed block
+# outputs of its held-out set in the server's order, the relative permutations and the labels
+# in that order. The server's blocks are frozen, so a later evaluation of the same samples would
+# send the same values again (in a new order); the client evaluates new heads on its copy.
+KEPT = "kept"
 # The stage of a client that refused a request after setup: it answers nothing more in this run
 # (see :meth:`DoubleBlindClient.handle`).
 LEFT = "left"
@@ -221,6 +229,20 @@ def _unpacked(
         parts = np.split(values, np.cumsum([sizes[i] for i in members])[:-1])
         plain.update({str(index): part for index, part in zip(members, parts, strict=True)})
     return plain
+
+
+def _between_rounds(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays a client carries from one round to the next: key, momentum, kept outputs."""
+    return {k: v for k, v in arrays.items() if k.startswith(("key.", "momentum.", f"{KEPT}."))}
+
+
+def _check_evaluation_round(message_type: str, server_round: int, state: ClientState) -> None:
+    """Evaluations only move forward: each round once, never before its training."""
+    if server_round <= state.evaluated_round or server_round < state.trained_round:
+        raise ProtocolError(
+            f"{message_type} of round {server_round}: this client already evaluated round "
+            f"{state.evaluated_round} and trained round {state.trained_round}"
+        )
 
 
 def _check_permutations(
@@ -329,6 +351,8 @@ class DoubleBlindClient:
                 return Envelope(REFRESH, envelope.node_id, envelope.round, fresh, {}), state
             if envelope.message_type == TRAIN_LOSS:
                 return self._loss(envelope, state, key)
+            if envelope.message_type == EVALUATE_CACHED:
+                return self._kept_evaluation(envelope, state)
             return self._block(envelope, state, key)
         except FedfmError as error:
             # Whether the client refuses a ciphertext the server chose is itself an answer (an
@@ -409,17 +433,14 @@ class DoubleBlindClient:
                     f"train.block 1 of round {server_round}: this client already took part in "
                     f"round {done} (rounds only move forward; a round is trained once)"
                 )
-            self.policy.check_round(server_round)
-        elif server_round <= state.evaluated_round or server_round < state.trained_round:
-            raise ProtocolError(
-                f"evaluate.block 1 of round {server_round}: this client already evaluated round "
-                f"{state.evaluated_round} and trained round {state.trained_round}"
-            )
+        else:
+            _check_evaluation_round(EVALUATE_BLOCK, server_round, state)
+        self._check_round(server_round, state)
         self.policy.check_blocks(request.num_blocks)
         if not request.global_arrays:
             raise ProtocolError(f"{request.message_type} block 1 lacks the global adapter")
         self._check_batch_sizes(request, kind, DoubleBlindConfig.from_config(state.config))
-        arrays = {k: v for k, v in state.arrays.items() if k.startswith(("key.", "momentum."))}
+        arrays = _between_rounds(state.arrays)
         arrays.update(pack_arrays("params", request.global_arrays))
         counters = (
             {"trained_round": server_round}
@@ -436,6 +457,17 @@ class DoubleBlindClient:
             arrays=arrays,
             **counters,
         )
+
+    def _check_round(self, server_round: int, state: ClientState) -> None:
+        """A round within the run the server announced at setup and within this data owner's
+        ``max-rounds``: an evaluation on kept outputs costs the server nothing, so without a
+        bound it could ask for confusion matrices under heads of its choosing at will."""
+        announced = DoubleBlindConfig.from_config(state.config).rounds
+        if server_round > announced:
+            raise ProtocolError(
+                f"round {server_round} is past the {announced} rounds the server announced at setup"
+            )
+        self.policy.check_round(server_round)
 
     def _check_batch_sizes(
         self, request: BlockRequest, kind: str, config: DoubleBlindConfig
@@ -525,21 +557,66 @@ class DoubleBlindClient:
             ]
             # every held-out sample once: the labels are exactly the client's own held-out ones
             self._check_label_counts(np.concatenate(labels), self.data.eval_labels, exact=True)
-            confusion = np.zeros((self.data.num_classes,) * 2, dtype=np.int64)
-            for batch_logits, truth in zip(logits, labels, strict=True):
-                np.add.at(confusion, (truth, to_numpy(batch_logits.argmax(dim=1))), 1)
-            reply = Envelope(
-                envelope.message_type,
-                envelope.node_id,
-                envelope.round,
-                {"confusion": confusion},
-                {"num_examples": int(confusion.sum())},
-            )
-            return reply, replace(state, stage="ready")
+            kept = {
+                f"block{b}.{i}": state.group(f"block{b}")[str(i)]
+                for b in range(1, request.num_blocks + 1)
+                for i in range(len(sizes))
+            }
+            kept |= {f"perm.{name}": value for name, value in state.group("perm").items()}
+            kept |= {f"labels.{i}": truth for i, truth in enumerate(labels)}
+            state = replace(state, stage="ready", arrays=state.with_group(KEPT, kept))
+            return self._evaluation_reply(envelope, logits, labels), state
         with torch.no_grad():
             probs = [key.encrypt(to_numpy(batch.softmax(dim=1))) for batch in logits]
             log_probs = [key.encrypt(to_numpy(batch.log_softmax(dim=1))) for batch in logits]
         return batch_reply(envelope, {"probs": probs, "log_probs": log_probs}), state
+
+    def _evaluation_reply(
+        self, envelope: Envelope, logits: list[torch.Tensor], labels: list[np.ndarray]
+    ) -> Envelope:
+        """The confusion matrix of ``logits`` against ``labels``; the client keeps its outputs."""
+        confusion = np.zeros((self.data.num_classes,) * 2, dtype=np.int64)
+        for batch_logits, truth in zip(logits, labels, strict=True):
+            np.add.at(confusion, (truth, to_numpy(batch_logits.argmax(dim=1))), 1)
+        return Envelope(
+            envelope.message_type,
+            envelope.node_id,
+            envelope.round,
+            {"confusion": confusion},
+            {"num_examples": int(confusion.sum()), "kept": True},
+        )
+
+    def _kept_evaluation(
+        self, envelope: Envelope, state: ClientState
+    ) -> tuple[Envelope, ClientState]:
+        """Evaluate the server's new adapter and head on the outputs kept from the first
+        evaluation; answer ``kept: False`` (state unchanged) if there are none, and the server
+        runs a full evaluation of this round instead."""
+        kept = state.group(KEPT)
+        num_blocks = int(require_config(envelope, "num_blocks", int))
+        count = sum(1 for name in kept if name.startswith("labels."))
+        if count == 0 or any(f"block{num_blocks}.{i}" not in kept for i in range(count)):
+            lost: dict[str, Any] = {"kept": False}
+            return Envelope(EVALUATE_CACHED, envelope.node_id, envelope.round, config=lost), state
+        _check_evaluation_round(EVALUATE_CACHED, envelope.round, state)
+        self._check_round(envelope.round, state)
+        global_arrays = unpack_arrays(envelope, "global")
+        if not global_arrays:
+            raise ProtocolError(f"{EVALUATE_CACHED} lacks the global adapter")
+        view = {name: value for name, value in kept.items() if not name.startswith("labels.")}
+        view |= pack_arrays("params", global_arrays)
+        logits = self._forward(replace(state, arrays=view), count)
+        labels = [kept[f"labels.{i}"] for i in range(count)]
+        state = replace(
+            state,
+            stage="ready",
+            round=envelope.round,
+            block=0,
+            evaluated_round=envelope.round,
+            config=run_settings(state.config),
+            arrays=_between_rounds(state.arrays),
+        )
+        return self._evaluation_reply(envelope, logits, labels), state
 
     def _labels(self, values: np.ndarray, rows: int, what: str) -> np.ndarray:
         """The class of each row of decrypted one-hot ``values``; a :class:`ProtocolError` if
@@ -644,8 +721,8 @@ class DoubleBlindClient:
         train_loss = float(np.mean(own_losses))
         num_examples = count * int(state.group("block1")["0"].shape[0])
         metrics = {"num_examples": num_examples, "train_loss": train_loss}
-        arrays = {k: v for k, v in state.arrays.items() if k.startswith("key.")}
-        arrays.update(pack_arrays("momentum", new_momentum))
+        arrays = _between_rounds(state.arrays)
+        arrays.update(pack_arrays("momentum", new_momentum))  # replaces the old momentum
         closed = replace(state, block=0, num_blocks=0, arrays=arrays)
         if not config.secure_aggregation:
             reply = Envelope(

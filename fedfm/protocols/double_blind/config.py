@@ -18,8 +18,21 @@ TRAIN_LOSS = "train.loss"
 # The four stages of secure aggregation after training (the stage is in the message's config).
 TRAIN_SECAGG = "train.secagg"
 EVALUATE_BLOCK = "evaluate.block"
+# A later evaluation on the outputs the client kept from its first one: the server's blocks are
+# frozen, so their outputs on the held-out set never change; only the adapter and head do.
+EVALUATE_CACHED = "evaluate.cached"
 # Client-assisted refresh of masked ciphertexts in the middle of the server's evaluation (CKKS).
 REFRESH = "query.refresh"
+# Every message a data owner answers (its ClientApp registers one handler per type).
+MESSAGE_TYPES = (
+    SETUP,
+    TRAIN_BLOCK,
+    TRAIN_LOSS,
+    TRAIN_SECAGG,
+    EVALUATE_BLOCK,
+    EVALUATE_CACHED,
+    REFRESH,
+)
 
 # App. C: with n samples per batch a curious client faces n! candidate permutations; below 16
 # (16! ~ 2e13) the protocol refuses to run.

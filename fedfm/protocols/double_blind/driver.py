@@ -4,7 +4,8 @@ The same loop runs in-process (tests, benchmarks) and in a Flower ServerApp: set
 round ``L + 1`` round trips to train (every client's messages go out together), with secure
 aggregation (the default) 4 round trips of SecAgg stages, aggregation through an
 :class:`Aggregator`, and ``L`` round trips to evaluate (every ``evaluate_every`` rounds and after
-the last; a round not evaluated records NaN accuracies). Clients that fail or time out are logged
+the last; a round not evaluated records NaN accuracies; after a client's first evaluation one
+round trip, on the outputs it kept). Clients that fail or time out are logged
 and leave the round; the round goes on while at least ``min_clients`` answer (and, under secure
 aggregation, at least two and as many as the SecAgg threshold needs). After every round the
 global adapter and head are saved; a run started again with the same settings resumes after the

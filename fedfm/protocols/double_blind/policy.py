@@ -17,7 +17,7 @@ node config key                   default    meaning
 ``min-aggregate``                 2          fewest updates (its own included) in any
                                              aggregate the data owner contributes to
 ``max-revealed-blocks``           0          most block outputs decrypted per batch (0: any)
-``max-rounds``                    0          most training rounds taken part in (0: any)
+``max-rounds``                    0          most rounds trained or evaluated in (0: any)
 ``backends``                      ""         the backends accepted, comma-separated (empty:
                                              any encrypted one, and ``simulate`` if
                                              ``allow-plaintext``); e.g. ``ckks`` refuses
@@ -124,10 +124,11 @@ class DataOwnerPolicy:
             )
 
     def check_round(self, server_round: int) -> None:
-        """Refuse a training round past ``max-rounds``."""
+        """Refuse a training or evaluation round past ``max-rounds`` (an evaluation on kept
+        outputs costs the server nothing, so the policy bounds how many it may ask for)."""
         if self.max_rounds and server_round > self.max_rounds:
             raise ProtocolError(
-                f"training round {server_round} is past the policy's max-rounds={self.max_rounds}"
+                f"round {server_round} is past the policy's max-rounds={self.max_rounds}"
             )
 
     def check_aggregate(self, contributors: int) -> None:

@@ -47,6 +47,7 @@ from fedfm.errors import InvariantError, ProtocolError
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
     EVALUATE_BLOCK,
+    EVALUATE_CACHED,
     REFRESH,
     SETUP,
     TRAIN_BLOCK,
@@ -57,6 +58,7 @@ from fedfm.protocols.double_blind.config import (
 from fedfm.protocols.double_blind.messages import (
     BlockRequest,
     geometry_config,
+    pack_arrays,
     pack_batches,
     pack_sets,
     require_config,
@@ -111,6 +113,8 @@ class _InFlight:
     sets: list[list[int]] = field(default_factory=list)  # the batches of each set
     stage: Stage | None = None  # waiting for a refresh answer
     refreshes: int = 0  # refresh round trips towards the next block message (progress lines)
+    # an evaluation on the client's kept outputs: the global arrays, for a full one if needed
+    kept_evaluation: dict[str, np.ndarray] | None = None
 
     def packed(self, per_batch: list[np.ndarray], offsets: bool = False) -> list[np.ndarray]:
         """Per-batch index arrays joined per set; with ``offsets`` each batch's (orders within
@@ -144,6 +148,8 @@ class ClientSession:
     num_eval: int
     order_key: int = -1
     in_flight: _InFlight | None = field(default=None)
+    # the client said it keeps the revealed outputs of its held-out set from a full evaluation
+    evaluation_kept: bool = False
 
 
 def balanced_accuracy(confusion: np.ndarray) -> float:
@@ -273,6 +279,19 @@ class DoubleBlindServer:
             )
             session.in_flight = None
             return None
+        if kind == "evaluate" and session.evaluation_kept:
+            # The frozen blocks' outputs on the held-out set are what the client already holds:
+            # no ciphertext, no refresh, one round trip (the client evaluates the new head).
+            session.in_flight = _InFlight(
+                kind, server_round, self.num_blocks, indices, [], [], kept_evaluation=global_arrays
+            )
+            return Envelope(
+                EVALUATE_CACHED,
+                node_id,
+                server_round,
+                pack_arrays("global", global_arrays),
+                {"num_blocks": self.num_blocks},
+            )
         inputs = session.train_inputs if kind == "train" else session.eval_inputs
         permutations = [
             draw_round_permutations(
@@ -415,9 +434,22 @@ class DoubleBlindServer:
             return self._advance(session, flight.stage, reply)
         if flight.stage is not None:
             raise ProtocolError(f"expected a refresh answer, got {reply.message_type}")
+        if reply.message_type == EVALUATE_CACHED and flight.kept_evaluation is not None:
+            if reply.config.get("kept") is not True:
+                # the client lost its copy (a new key or state): evaluate in full this round
+                session.evaluation_kept = False
+                request = self.start(
+                    "evaluate", reply.node_id, flight.round, flight.kept_evaluation
+                )
+                if request is None:
+                    raise InvariantError("an evaluation was kept from a set too small to run")
+                return request
+            return self._evaluation_result(reply, session)
         if reply.message_type == TRAIN_LOSS:
             return self._update(reply, session)
         expected = TRAIN_BLOCK if flight.kind == "train" else EVALUATE_BLOCK
+        if flight.kept_evaluation is not None:
+            expected = EVALUATE_CACHED
         if reply.message_type != expected:
             raise ProtocolError(f"expected a {expected} reply, got {reply.message_type}")
         count = len(flight.indices)
@@ -431,11 +463,7 @@ class DoubleBlindServer:
             flight.current = fresh
             return self._advance(session, self._block_stage(reply.node_id, session, {}))
         if flight.kind == "evaluate":
-            confusion = reply.arrays.get("confusion")
-            if confusion is None or confusion.shape != (self.num_classes,) * 2:
-                raise ProtocolError("evaluation reply lacks a confusion matrix of the task's shape")
-            session.in_flight = None
-            return EvaluationResult(reply.node_id, confusion.astype(np.int64))
+            return self._evaluation_result(reply, session)
         probs = unpack_batches(reply, "probs", count, session.evaluator.load)
         log_probs = unpack_batches(reply, "log_probs", count, session.evaluator.load)
         for p, log_p, batch in zip(probs, log_probs, flight.indices, strict=True):
@@ -443,6 +471,20 @@ class DoubleBlindServer:
             if p.shape != expected_shape or log_p.shape != expected_shape:
                 raise ProtocolError(f"predictions have shape {p.shape}, expected {expected_shape}")
         return self._advance(session, self._loss_stage(reply.node_id, session, probs, log_probs))
+
+    def _evaluation_result(self, reply: Envelope, session: ClientSession) -> EvaluationResult:
+        """The confusion matrix of a client's evaluation; whether it keeps the outputs."""
+        confusion = reply.arrays.get("confusion")
+        if confusion is None or confusion.shape != (self.num_classes,) * 2:
+            raise ProtocolError("evaluation reply lacks a confusion matrix of the task's shape")
+        if int(confusion.sum()) != session.num_eval:
+            raise ProtocolError(
+                f"evaluation reply counts {int(confusion.sum())} samples; node {reply.node_id} "
+                f"holds {session.num_eval}"
+            )
+        session.in_flight = None
+        session.evaluation_kept = reply.config.get("kept") is True
+        return EvaluationResult(reply.node_id, confusion.astype(np.int64))
 
     def _loss_stage(
         self,
