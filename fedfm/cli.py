@@ -174,6 +174,41 @@ def _distill(args: argparse.Namespace) -> None:
     )
 
 
+def _distill_text(args: argparse.Namespace) -> None:
+    from fedfm.distillation.distill import DistillConfig
+    from fedfm.distillation.text import TextApproxSettings, TextDistillRun
+    from fedfm.experiments.text_distillation import run_text_distillation_experiment
+
+    run = TextDistillRun(
+        model=args.model,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        aux_per_class=args.aux_per_class,
+        test_per_class=args.test_per_class,
+        distill_data=args.distill_data,
+        distill_texts=args.distill_texts,
+        ablation=not args.no_ablation,
+        approx=TextApproxSettings(
+            gelu_degree=None if args.gelu_degree == 0 else args.gelu_degree,
+            gelu_radius=args.gelu_radius,
+            gelu_channel_scale=not args.no_gelu_channel_scale and args.gelu_degree != 0,
+        ),
+        distill=DistillConfig(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr_stage1=args.lr_stage1,
+            lr_stage2=args.lr_stage2,
+            calibration_batches=args.calibration_batches,
+        ),
+    )
+    run_text_distillation_experiment(
+        run,
+        results_dir=args.results_dir,
+        command=args.command_line,
+        progress=not args.no_progress,
+    )
+
+
 def _sweep(args: argparse.Namespace) -> None:
     from fedfm.experiments.sweep import run_sweep
 
@@ -707,6 +742,76 @@ def build_parser() -> argparse.ArgumentParser:
         help="discard a saved distillation state instead of resuming it",
     )
     distill.set_defaults(handler=_distill)
+
+    distill_text = commands.add_parser(
+        "distill-text",
+        help="distill a BERT-family encoder + linear head into its FHE-friendly student on the "
+        "docstring task (results/text_distillation.*)",
+    )
+    from fedfm.distillation.text_defaults import TEXT_DISTILL_DEFAULTS as text_defaults
+
+    distill_text.add_argument(
+        "--model",
+        default=text_defaults.model,
+        help="'minilm' (packaged, offline) or a BERT/DistilBERT name or folder on this machine",
+    )
+    distill_text.add_argument("--max-tokens", type=int, default=text_defaults.max_tokens)
+    distill_text.add_argument("--seed", type=int, default=text_defaults.seed)
+    distill_text.add_argument(
+        "--aux-per-class",
+        type=int,
+        default=text_defaults.aux_per_class,
+        help="D_aux texts per family (teacher head and distillation)",
+    )
+    distill_text.add_argument("--test-per-class", type=int, default=text_defaults.test_per_class)
+    distill_text.add_argument(
+        "--distill-data",
+        choices=("stdlib", "aux", "public"),
+        default=text_defaults.distill_data,
+        help="distill on --distill-texts docstrings of every standard-library module outside "
+        "the test texts and the data owners' pool (stdlib), on the labelled D_aux (aux), or on "
+        "as many public docstrings of other modules (public); unlabelled texts are labelled "
+        "by the teacher",
+    )
+    distill_text.add_argument(
+        "--distill-texts",
+        type=int,
+        default=text_defaults.distill_texts,
+        help="how many texts --distill-data stdlib distills on",
+    )
+    distill_text.add_argument(
+        "--gelu-degree",
+        type=int,
+        default=text_defaults.gelu_degree,
+        help="degree of the least-squares GELU fit (2: depth 2, 4: depth 3); 0: the paper's "
+        "quadratic Quad without a channel scale",
+    )
+    distill_text.add_argument(
+        "--gelu-radius",
+        type=float,
+        default=text_defaults.gelu_radius,
+        help="the GELU fit's domain [-radius, radius]",
+    )
+    distill_text.add_argument(
+        "--no-gelu-channel-scale",
+        action="store_true",
+        help="no per-channel input scale around the GELU polynomial",
+    )
+    distill_text.add_argument(
+        "--no-ablation",
+        action="store_true",
+        help="skip scoring the teacher's weights with one approximation at a time",
+    )
+    distill_text.add_argument("--epochs", type=int, default=text_defaults.epochs)
+    distill_text.add_argument("--batch-size", type=int, default=text_defaults.batch_size)
+    distill_text.add_argument("--lr-stage1", type=float, default=text_defaults.lr_stage1)
+    distill_text.add_argument("--lr-stage2", type=float, default=text_defaults.lr_stage2)
+    distill_text.add_argument(
+        "--calibration-batches", type=int, default=text_defaults.calibration_batches
+    )
+    distill_text.add_argument("--results-dir", type=Path, default=Path("results"))
+    distill_text.add_argument("--no-progress", action="store_true", help="no progress bar")
+    distill_text.set_defaults(handler=_distill_text)
 
     sweep = commands.add_parser(
         "sweep", help="Tables 5/6: vary the exp degree or inverse iterations"

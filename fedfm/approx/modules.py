@@ -20,6 +20,7 @@ Out-of-domain inputs are handled by each module's ``domain_policy``:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -30,7 +31,7 @@ from torch import nn
 
 from fedfm.approx.evaluate import check_domain, evaluate_inv_sqrt, evaluate_inverse, polyval
 from fedfm.approx.specs import GoldschmidtInverseSpec, NewtonInvSqrtSpec, PolySpec
-from fedfm.errors import ApproximationDomainError, ConfigError
+from fedfm.errors import ApproximationDomainError, ConfigError, ModelError
 
 DomainPolicy = Literal["clamp", "raise"]
 _POLICIES = ("clamp", "raise")
@@ -101,13 +102,27 @@ class ApproxSoftmax(_Calibrated):
         self.exp_spec = exp_spec
         self.inverse_spec = inverse_spec
 
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Softmax over the last axis; ``keep`` (boolean, broadcastable to ``logits``) marks the
+        entries that take part, the others (padding keys) get weight exactly zero.
+
+        An additive ``-inf`` mask only works with the exact exponential: the Taylor polynomial
+        of a large negative number is large and positive (even degree). So the mask multiplies
+        the numerators instead (a plaintext 0/1 product under CKKS), after the polynomial and
+        before the normaliser's sum.
+        """
         if self.exp_spec is None and self.inverse_spec is None:
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
             return logits.softmax(dim=-1)
         if self.exp_spec is None:
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
             numerators = (logits - logits.amax(dim=-1, keepdim=True)).exp()
         else:
             numerators = polyval(self.exp_spec, logits)
+            if keep is not None:  # a select, not a product: 0 * inf would be NaN in torch
+                numerators = numerators.masked_fill(~keep, 0.0)
         denominators = numerators.sum(dim=-1, keepdim=True)
         if self.inverse_spec is None:
             return numerators / denominators
@@ -131,6 +146,107 @@ class ApproxGELU(nn.Module):
         return polyval(self.spec, x)
 
 
+class ChannelScaledGELU(ApproxGELU):
+    """GELU as ``s_c * p(x_c / s_c)`` per channel ``c`` (the last axis), ``p`` a GELU fit on
+    ``[-R, R]`` (:func:`fedfm.approx.specs.gelu_least_squares`).
+
+    A pretrained encoder's GELU inputs have channels whose range is many times any low-degree
+    fit's domain (MiniLM: up to +25); a polynomial there is orders of magnitude off and breaks
+    the encoder. The scale ``s_c = max(1, margin * max|x_c| / R)`` (:func:`calibrate_gelu_scales`,
+    once, on the teacher's weights) keeps every calibrated input in the domain; GELU is close to
+    positively homogeneous away from 0, so ``s p(x / s)`` stays close to GELU where ``|x|`` is
+    large and only the bend near 0 widens. ``1/s_c`` folds into the rows of the linear layer
+    before the activation and ``s_c`` into the columns of the one after
+    (:meth:`folded_linear_layers`): an encrypted evaluator sees the plain polynomial ``p``.
+
+    The scale is a buffer fixed at calibration: later division re-calibrations
+    (:func:`calibrate`) leave it alone, as it changes the function the weights adapt to.
+    """
+
+    def __init__(
+        self,
+        spec: PolySpec,
+        channels: int,
+        *,
+        approximate: str = "none",
+        margin: float = 1.0,
+    ) -> None:
+        super().__init__(spec, approximate=approximate)
+        if channels < 1:
+            raise ConfigError(f"a channel-scaled GELU needs >= 1 channels, got {channels}")
+        if margin <= 0:
+            raise ConfigError(f"GELU scale margin must be > 0, got {margin}")
+        self.register_buffer("channel_scale", torch.ones(channels))
+        self.margin = margin
+        self.calibrating = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        if spec is None:
+            raise ModelError("ChannelScaledGELU needs a polynomial spec")
+        if x.shape[-1] != self.channel_scale.shape[0]:
+            raise ModelError(
+                f"GELU input has {x.shape[-1]} channels, the scale {self.channel_scale.shape[0]}"
+            )
+        if self.calibrating:
+            radius = min(-spec.domain[0], spec.domain[1])
+            seen = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0) * self.margin / radius
+            self.channel_scale = torch.maximum(self.channel_scale, seen)
+        scale = self.channel_scale
+        return scale * polyval(spec, x / scale)
+
+    def folded_linear_layers(
+        self, before: nn.Linear, after: nn.Linear
+    ) -> tuple[nn.Linear, nn.Linear]:
+        """Copies of the linear layers around the activation with the scale folded in:
+        ``after(s * p(before(x) / s)) == after'(p(before'(x)))``."""
+        scale = self.channel_scale.detach()
+        if before.out_features != scale.numel() or after.in_features != scale.numel():
+            raise ModelError(
+                f"layers of {before.out_features} -> {after.in_features} features do not fit a "
+                f"GELU scale of {scale.numel()} channels"
+            )
+        first, second = copy.deepcopy(before), copy.deepcopy(after)
+        with torch.no_grad():
+            first.weight.div_(scale[:, None])
+            if first.bias is not None:
+                first.bias.div_(scale)
+            second.weight.mul_(scale[None, :])
+        return first, second
+
+
+def gelu_scale_modules(model: nn.Module) -> list[ChannelScaledGELU]:
+    """Every channel-scaled GELU of ``model``."""
+    return [m for m in model.modules() if isinstance(m, ChannelScaledGELU)]
+
+
+@torch.no_grad()
+def calibrate_gelu_scales(model: nn.Module, batches: Iterable[torch.Tensor]) -> int:
+    """Fix every :class:`ChannelScaledGELU`'s scale from the inputs ``model`` sees on
+    ``batches`` (reset to 1 first); return how many modules were calibrated.
+
+    Call it on the teacher's weights, before distillation: the scale is part of the function.
+    """
+    modules = gelu_scale_modules(model)
+    was_training = model.training
+    model.eval()
+    for module in modules:
+        module.channel_scale.fill_(1.0)
+        module.calibrating = True
+    seen = 0
+    try:
+        for batch in batches:
+            model(batch)
+            seen += 1
+    finally:
+        for module in modules:
+            module.calibrating = False
+        model.train(was_training)
+    if seen == 0:
+        raise ConfigError("GELU scale calibration needs at least one batch of data")
+    return len(modules)
+
+
 class ApproxLayerNorm(_Calibrated):
     """LayerNorm whose ``1/sqrt(var + eps)`` is Newton's iteration on the scaled variance.
 
@@ -147,6 +263,28 @@ class ApproxLayerNorm(_Calibrated):
         self.spec = spec
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
+
+    @classmethod
+    def replacing(
+        cls, source: nn.LayerNorm | ApproxLayerNorm, spec: NewtonInvSqrtSpec | None
+    ) -> ApproxLayerNorm:
+        """The replacement of ``source`` (same ``eps``; shares its weight and bias parameters).
+
+        Raises :class:`~fedfm.errors.ModelError` for a LayerNorm over more than the last axis or
+        without weight and bias.
+        """
+        if isinstance(source, ApproxLayerNorm):
+            dim, eps = source.dim, source.eps
+        else:
+            if len(source.normalized_shape) != 1 or source.weight is None or source.bias is None:
+                raise ModelError(
+                    "only LayerNorm over the last dimension with weight and bias is supported"
+                )
+            dim, eps = source.normalized_shape[0], source.eps
+        replacement = cls(dim, eps=eps, spec=spec)
+        replacement.weight = source.weight
+        replacement.bias = source.bias
+        return replacement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec is None:

@@ -165,6 +165,43 @@ def taylor_exp(degree: int = 6, *, radius: float = 4.0) -> PolySpec:
 QUAD_GELU = PolySpec("gelu_quad", (0.5, 0.25, 0.125), (-2.0, 2.0), 0.561)
 
 
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """Exact GELU ``x * Phi(x)`` (erf form), in float64."""
+    erf = np.vectorize(math.erf)
+    return np.asarray(0.5 * x * (1.0 + erf(x / math.sqrt(2.0))), dtype=np.float64)
+
+
+def gelu_least_squares(degree: int = 2, *, radius: float = 4.0) -> PolySpec:
+    """The degree-``degree`` least-squares fit of GELU on ``[-radius, radius]`` (uniform grid).
+
+    Unlike :data:`QUAD_GELU` (a fixed replacement the weights must adapt to), this is a close
+    fit: on ``[-4, 4]`` the quadratic is within 0.26 of GELU and the quartic within 0.093
+    (``max_abs_error`` is measured on the fitting grid; tests check it). A pretrained encoder's
+    GELU inputs reach far beyond any such domain (MiniLM's: about -17 to +25), so the text
+    model pairs the fit with a per-channel input scale (:class:`fedfm.approx.ChannelScaledGELU`)
+    that brings each channel's calibrated range into ``[-radius, radius]``; the scale folds into
+    the linear layers around the activation, so an encrypted evaluator sees only this polynomial.
+    Depth: 2 for degree 2, 3 for degree 3 or 4 (:attr:`PolySpec.depth`).
+    """
+    if not isinstance(degree, int) or degree < 1:
+        raise ConfigError(f"GELU fit degree must be an integer >= 1, got {degree!r}")
+    if radius <= 0:
+        raise ConfigError(f"GELU fit radius must be > 0, got {radius}")
+    grid = np.linspace(-radius, radius, 4001)
+    target = _gelu(grid)
+    coefficients = np.polynomial.polynomial.polyfit(grid, target, degree)
+    # GELU - x/2 is even: the fit's odd terms above the first vanish up to rounding; drop them
+    # so that the stated degree (and depth) is the real one.
+    coefficients[np.abs(coefficients) < 1e-12] = 0.0
+    error = float(np.max(np.abs(np.polynomial.polynomial.polyval(grid, coefficients) - target)))
+    return PolySpec(
+        f"gelu_lsq_{degree}_r{radius:g}",
+        tuple(float(c) for c in coefficients),
+        (-radius, radius),
+        error,
+    )
+
+
 def newton_inv_sqrt(iterations: int = 5, *, low: float = 0.01) -> NewtonInvSqrtSpec:
     """Build the inverse-square-root spec on ``(low, 1]`` with its least-squares starting line."""
     if not isinstance(iterations, int) or iterations < 1:
@@ -195,6 +232,9 @@ class ApproxConfig:
     )
     gelu: PolySpec | None = QUAD_GELU
     inv_sqrt: NewtonInvSqrtSpec | None = field(default_factory=newton_inv_sqrt)
+    # Per-channel calibrated input scale around the GELU polynomial (text encoders, see
+    # gelu_least_squares); off for the ViT, whose default is the paper's Quad alone.
+    gelu_channel_scale: bool = False
 
     @classmethod
     def exact(cls) -> ApproxConfig:
@@ -209,25 +249,51 @@ class ApproxConfig:
         inverse_iterations: int | None = 7,
         gelu: bool = True,
         inv_sqrt_iterations: int | None = 5,
+        gelu_degree: int | None = None,
+        gelu_radius: float = 4.0,
+        gelu_channel_scale: bool = False,
     ) -> ApproxConfig:
-        """Build from plain settings; ``None`` (or ``gelu=False``) keeps that function exact."""
+        """Build from plain settings; ``None`` (or ``gelu=False``) keeps that function exact.
+
+        ``gelu_degree`` ``None`` is the paper's :data:`QUAD_GELU`; a degree is the least-squares
+        fit :func:`gelu_least_squares` on ``[-gelu_radius, gelu_radius]``.
+        """
+        if gelu_channel_scale and not gelu:
+            raise ConfigError("gelu_channel_scale needs an approximated GELU (gelu=True)")
+        if not gelu:
+            gelu_spec = None
+        elif gelu_degree is None:
+            gelu_spec = QUAD_GELU
+        else:
+            gelu_spec = gelu_least_squares(gelu_degree, radius=gelu_radius)
         return cls(
             exp=None if exp_degree is None else taylor_exp(exp_degree),
             inverse=None
             if inverse_iterations is None
             else GoldschmidtInverseSpec(inverse_iterations),
-            gelu=QUAD_GELU if gelu else None,
+            gelu=gelu_spec,
             inv_sqrt=None if inv_sqrt_iterations is None else newton_inv_sqrt(inv_sqrt_iterations),
+            gelu_channel_scale=gelu_channel_scale,
         )
 
     def settings(self) -> dict[str, Any]:
-        """The plain settings :meth:`build` takes; stored in checkpoints and reports."""
-        return {
+        """The plain settings :meth:`build` takes; stored in checkpoints and reports.
+
+        The GELU-fit keys appear only for a fitted GELU, so the paper's configuration keeps the
+        four keys ViT checkpoints store.
+        """
+        out: dict[str, Any] = {
             "exp_degree": None if self.exp is None else self.exp.degree,
             "inverse_iterations": None if self.inverse is None else self.inverse.iterations,
             "gelu": self.gelu is not None,
             "inv_sqrt_iterations": None if self.inv_sqrt is None else self.inv_sqrt.iterations,
         }
+        if self.gelu is not None and self.gelu != QUAD_GELU:
+            out["gelu_degree"] = self.gelu.degree
+            out["gelu_radius"] = self.gelu.domain[1]
+        if self.gelu_channel_scale:
+            out["gelu_channel_scale"] = True
+        return out
 
     def describe(self) -> dict[str, Any]:
         """Full description (coefficients, domains, depths) for reports and encrypted backends."""
@@ -235,4 +301,6 @@ class ApproxConfig:
         for key in ("exp", "inverse", "gelu", "inv_sqrt"):
             spec = getattr(self, key)
             out[key] = None if spec is None else {**asdict(spec), "depth": spec.depth}
+        if self.gelu_channel_scale:
+            out["gelu_channel_scale"] = True
         return out

@@ -1,5 +1,9 @@
 """Two-stage distillation of a ViT into its FHE-friendly student (spec ``001`` §3.1, App. E).
 
+The same code distills a BERT-family text encoder (:mod:`fedfm.models.fhe_text`): every function
+takes a model decomposed into embedding, blocks and head, and an input tensor (images, or
+right-padded token ids, where ``images`` is written below).
+
 Stage I (transformer-layer distillation) aligns, with MSE, the embedding output, every block's
 un-normalised attention matrix (Eq. 12, averaged over heads) and every block's output hidden state
 (Eq. 13); its loss is their sum (Eq. 14). Stage II (prediction-layer distillation) matches the
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +37,14 @@ from fedfm.approx.modules import calibrate, clamped_count, reset_clamped
 from fedfm.distillation.training import batches, check_batch_size
 from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models.device import MixedPrecision
-from fedfm.models.fhe_vit import FheViT, Intermediates
+from fedfm.models.intermediates import Intermediates
+
+if TYPE_CHECKING:  # annotations only
+    from fedfm.models.fhe_text import FheTextClassifier
+    from fedfm.models.fhe_vit import FheViT
+
+    # What distills: a model decomposed into embedding, blocks and head (images or token ids in)
+    DistillableModel = FheViT | FheTextClassifier
 from fedfm.models.foundation import load_state_strict, read_checkpoint, save_checkpoint
 
 STATE_FORMAT = "fedfm-distill-state/1"
@@ -115,8 +126,8 @@ def calibration_batches(images: torch.Tensor, config: DistillConfig) -> list[tor
 
 
 def run_epoch(
-    student: FheViT,
-    teacher: FheViT,
+    student: DistillableModel,
+    teacher: DistillableModel,
     images: torch.Tensor,
     labels: torch.Tensor,
     *,
@@ -171,14 +182,16 @@ def run_epoch(
     return {key: value / seen for key, value in sums.items()}
 
 
-def _optimizer(student: FheViT, stage: int, config: DistillConfig) -> torch.optim.Optimizer:
+def _optimizer(
+    student: DistillableModel, stage: int, config: DistillConfig
+) -> torch.optim.Optimizer:
     lr = config.lr_stage1 if stage == 1 else config.lr_stage2
     return torch.optim.Adam(student.parameters(), lr=lr)
 
 
 def distill(
-    student: FheViT,
-    teacher: FheViT,
+    student: DistillableModel,
+    teacher: DistillableModel,
     images: torch.Tensor,
     labels: torch.Tensor,
     config: DistillConfig,

@@ -15,7 +15,6 @@ time on encrypted inputs).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from timm.layers.attention import Attention
@@ -25,6 +24,7 @@ from torch import nn
 from fedfm.approx.modules import ApproxGELU, ApproxLayerNorm, ApproxSoftmax
 from fedfm.approx.specs import ApproxConfig
 from fedfm.errors import ModelError
+from fedfm.models.intermediates import Intermediates
 
 # Modules that are not polynomial and that no approximation replaces: refusing them keeps a model
 # from silently carrying an operation CKKS cannot evaluate.
@@ -73,16 +73,6 @@ class FheAttention(nn.Module):
         return self.forward_with_logits(x)[0]
 
 
-@dataclass
-class Intermediates:
-    """Everything distillation aligns (App. E): embedding, per-block A and hidden states, logits."""
-
-    embedding: torch.Tensor
-    attention_logits: list[torch.Tensor]
-    hidden_states: list[torch.Tensor]
-    logits: torch.Tensor
-
-
 def _swap_modules(module: nn.Module, approx: ApproxConfig) -> None:
     for name, child in module.named_children():
         if isinstance(child, Attention | FheAttention):
@@ -96,28 +86,13 @@ def _swap_modules(module: nn.Module, approx: ApproxConfig) -> None:
             approximate = getattr(child, "approximate", "none")
             setattr(module, name, ApproxGELU(approx.gelu, approximate=approximate))
         elif isinstance(child, nn.LayerNorm | ApproxLayerNorm):
-            setattr(module, name, _layer_norm(child, approx))
+            setattr(module, name, ApproxLayerNorm.replacing(child, approx.inv_sqrt))
         elif isinstance(child, _UNSUPPORTED):
             raise ModelError(
                 f"module {name} is a {type(child).__name__}, which has no FHE-friendly replacement"
             )
         else:
             _swap_modules(child, approx)
-
-
-def _layer_norm(source: nn.LayerNorm | ApproxLayerNorm, approx: ApproxConfig) -> ApproxLayerNorm:
-    if isinstance(source, ApproxLayerNorm):
-        dim, eps = source.dim, source.eps
-    else:
-        if len(source.normalized_shape) != 1 or source.weight is None or source.bias is None:
-            raise ModelError(
-                "only LayerNorm over the last dimension with weight and bias is supported"
-            )
-        dim, eps = source.normalized_shape[0], source.eps
-    replacement = ApproxLayerNorm(dim, eps=eps, spec=approx.inv_sqrt)
-    replacement.weight = source.weight
-    replacement.bias = source.bias
-    return replacement
 
 
 class FheViT(nn.Module):
