@@ -289,6 +289,23 @@ def test_corrupt_student_checkpoint_is_named(tmp_path: Path) -> None:
     assert str(path) in str(error.value)
 
 
+def test_student_with_bounds_from_part_of_d_aux_is_refused_with_the_remedy(
+    tmp_path: Path,
+) -> None:
+    declared = ModelSpec("vit_fedfm_tiny", 10, 16)
+    torch.manual_seed(0)
+    student = to_fhe_friendly(declared.build(), ApproxSettings().build())
+    path = tmp_path / "student.pt"
+    save_student(path, student, declared, ApproxSettings())
+    payload = torch.load(path, weights_only=True)
+    payload["format"] = "fedfm-student/1"  # as the versions before full-D_aux calibration wrote
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError, match="retired format") as error:
+        load_student(path)
+    assert "fedfm distill --restart" in str(error.value)
+    assert str(path) in str(error.value)
+
+
 # --- the installed console script ------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,14 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     partial.replace(path)
 
 
-def read_checkpoint(path: str | Path, *, expected_format: str) -> dict[str, Any]:
-    """Load a fedfm checkpoint, turning every way it can be unreadable into a clear error."""
+def read_checkpoint(
+    path: str | Path, *, expected_format: str, retired: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Load a fedfm checkpoint, turning every way it can be unreadable into a clear error.
+
+    ``retired`` maps an older format this version refuses to the reason and the remedy, which
+    the error then gives instead of only naming the two formats.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -33,6 +40,10 @@ def read_checkpoint(path: str | Path, *, expected_format: str) -> dict[str, Any]
             f"checkpoint {path} is corrupt or not a torch checkpoint ({type(error).__name__})"
         ) from error
     found = payload.get("format") if isinstance(payload, dict) else None
+    if retired and isinstance(found, str) and found in retired:
+        raise CheckpointError(
+            f"checkpoint {path} has the retired format {found!r}: {retired[found]}"
+        )
     if found != expected_format:
         raise CheckpointError(
             f"checkpoint {path} has format {found!r}, expected {expected_format!r}"

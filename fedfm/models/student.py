@@ -31,7 +31,16 @@ from fedfm.models.foundation import (
 if TYPE_CHECKING:  # built in load_student: timm stays out of processes that only read data
     from fedfm.models.fhe_vit import FheViT
 
-STUDENT_FORMAT = "fedfm-student/1"
+STUDENT_FORMAT = "fedfm-student/2"
+# /1 students had their division bounds calibrated on 128 of D_aux's images, too few for the
+# encrypted path: unseen inputs past a bound diverge under CKKS (docs/ckks.md).
+RETIRED_STUDENT_FORMATS = {
+    "fedfm-student/1": (
+        "its division bounds were calibrated on part of D_aux, and inputs past them diverge "
+        "under CKKS; distil it again (`fedfm distill --restart` with its --workdir) to calibrate "
+        "them on all of D_aux"
+    )
+}
 STUDENT_FILE = "student.pt"
 REPORT_FILE = "report.json"
 
@@ -152,7 +161,9 @@ def save_student(path: Path, student: FheViT, spec: ModelSpec, settings: ApproxS
 
 def load_student(path: str | Path) -> FheViT:
     """Rebuild a distilled student from ``student.pt`` (weights and calibrated bounds)."""
-    payload = read_checkpoint(path, expected_format=STUDENT_FORMAT)
+    payload = read_checkpoint(
+        path, expected_format=STUDENT_FORMAT, retired=RETIRED_STUDENT_FORMATS
+    )
     try:
         spec = ModelSpec(**payload["model"])
         approx = ApproxSettings(**payload["approx"]).build()

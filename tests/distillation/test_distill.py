@@ -306,6 +306,14 @@ def test_distilled_student_has_bounds_calibrated_on_its_final_weights(setup: Set
     assert torch.equal(bounds(student), final)
 
 
+def test_default_calibration_sees_every_auxiliary_image() -> None:
+    images = torch.arange(37.0).reshape(37, 1)
+    default = calibration_batches(images, DistillConfig(batch_size=8))
+    assert torch.equal(torch.cat(default).sort(dim=0).values, images)
+    first_two = calibration_batches(images, DistillConfig(batch_size=8, calibration_batches=2))
+    assert sum(len(batch) for batch in first_two) == 16
+
+
 # --- resuming ---------------------------------------------------------------------------------
 
 
