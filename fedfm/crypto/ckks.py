@@ -72,7 +72,6 @@ from fedfm.crypto.backend import (
     KeyOwner,
     ModelGeometry,
     Work,
-    finished,
 )
 from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
@@ -661,9 +660,15 @@ class CkksEvaluator(Evaluator):
         if len(source.shape) != 4:
             raise ProtocolError(f"embed needs (n, C, H, W) images, got shape {source.shape}")
         ckks_vit.check_encryptable(model)
-        tensor = ckks_vit.embed(self.circuit, model, self.layout, source.nested(), source.samples)
+        patches = source.nested()
+        # The projection takes one level: patches fresh from the data owner have it, patches
+        # the server has just selected (``take``) may not.
+        (flat,) = yield from self.circuit.ensure([[ct for f in patches for ct in f]], 1, "embed")
+        width = len(patches[0])
+        patches = [flat[i * width : (i + 1) * width] for i in range(len(patches))]
+        tensor = ckks_vit.embed(self.circuit, model, self.layout, patches, source.samples)
         shape = (source.samples, self.layout.tokens, len(tensor))
-        return finished(self._batch(tensor, shape, copies=True))
+        return self._batch(tensor, shape, copies=True)
 
     def evaluate_block(self, model: FheViT, index: int, hidden: EncryptedBatch) -> Work[CkksBatch]:
         source = self._check(hidden)

@@ -228,7 +228,9 @@ def test_setup_keeps_secrets_on_the_client(model, splits) -> None:
     assert not any(isinstance(value, SimulatedKeyOwner) for value in held)
     assert secret not in session.evaluator.key_id
     assert "rng" not in server.setup_request(7).config  # the server's randomness stays home
-    assert session.train_inputs.shape == (80, (IMAGE // 4) ** 2 + 1, 96)
+    channels = model.vit.patch_embed.proj.in_channels
+    assert session.train_images.shape == (80, channels, IMAGE, IMAGE)  # embedded per batch
+    assert server.hidden_size == 96
 
 
 def test_one_round_between_roles_and_what_the_client_receives(model, splits) -> None:
@@ -508,8 +510,7 @@ def test_the_position_counts_a_blocks_refreshes(model, splits) -> None:
     server, _, _ = setup_pair(model, splits, small_config())
     node = next(iter(server.sessions))
     assert server.position(node) == "done"
-    dim = server.sessions[node].train_inputs.shape[-1]
-    server.start("train", node, 1, server.initial_arrays(dim))
+    server.start("train", node, 1, server.initial_arrays(server.hidden_size))
     flight = server.sessions[node].in_flight
     assert flight is not None and flight.refreshes == 0
     assert server.position(node) == f"train block 1/{server.num_blocks} at the client"

@@ -385,8 +385,7 @@ def run_double_blind(
         # the server's draws continue where they stopped (the clients' momentum restarts)
         server.rng = restore_stream(state.rng_state)
     else:
-        dim = server.sessions[active[0]].train_inputs.shape[-1]
-        state = RunState(global_arrays=server.initial_arrays(dim))
+        state = RunState(global_arrays=server.initial_arrays(server.hidden_size))
 
     timed = _TimedTransport(transport)
     for server_round in range(state.round + 1, config.rounds + 1):

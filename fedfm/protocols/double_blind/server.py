@@ -39,7 +39,6 @@ from fedfm.crypto.backend import (
     Evaluator,
     ModelGeometry,
     Work,
-    drive,
     lockstep,
 )
 from fedfm.crypto.randomness import RandomSource, SecretStream
@@ -140,9 +139,11 @@ class ClientSession:
     """What the server keeps about one client: public evaluator and encrypted data."""
 
     evaluator: Evaluator
-    train_inputs: EncryptedBatch
+    # the uploaded patches as they came (n, C, H, W): each round selects its batches from them
+    # and embeds only those
+    train_images: EncryptedBatch
     train_labels: EncryptedBatch
-    eval_inputs: EncryptedBatch
+    eval_images: EncryptedBatch
     eval_labels: EncryptedBatch
     num_train: int
     num_eval: int
@@ -187,6 +188,11 @@ class DoubleBlindServer:
         self.revealed = revealed_blocks(config.reveal, model.num_blocks)
 
     @property
+    def hidden_size(self) -> int:
+        """Width ``D`` of the hidden states the side adapter reads."""
+        return int(self.model.vit.embed_dim)
+
+    @property
     def num_blocks(self) -> int:
         """Block outputs the client receives per batch (the model's blocks unless some are
         hidden by ``reveal``): the protocol's blocks, permutations and adapter taps."""
@@ -206,7 +212,9 @@ class DoubleBlindServer:
         return Envelope(SETUP, node_id, 0, {}, settings)
 
     def on_setup(self, reply: Envelope) -> None:
-        """Register a client from its uploads; the embedding is applied once, here (§3.2)."""
+        """Register a client from its uploads. The spec embeds them once, here (§3.2); fedfm keeps
+        the patches and embeds each round's selected batches instead (:meth:`_start_stage`):
+        under CKKS selecting from the embedding permuted twice as many ciphertexts (tiny ViT)."""
         context = require_config(reply, "public_context", bytes)
         backend = require_config(reply, "backend", str)
         if backend != self.backend.name:
@@ -230,9 +238,9 @@ class DoubleBlindServer:
                 )
         self.sessions[reply.node_id] = ClientSession(
             evaluator=evaluator,
-            train_inputs=_at_once(evaluator.embed(self.model, uploads["train_images"])),
+            train_images=uploads["train_images"],
             train_labels=uploads["train_labels"],
-            eval_inputs=_at_once(evaluator.embed(self.model, uploads["eval_images"])),
+            eval_images=uploads["eval_images"],
             eval_labels=uploads["eval_labels"],
             num_train=num_train,
             num_eval=num_eval,
@@ -292,7 +300,7 @@ class DoubleBlindServer:
                 pack_arrays("global", global_arrays),
                 {"num_blocks": self.num_blocks},
             )
-        inputs = session.train_inputs if kind == "train" else session.eval_inputs
+        inputs = session.train_images if kind == "train" else session.eval_images
         permutations = [
             draw_round_permutations(
                 self.num_blocks, len(batch), self.rng, permute=self.config.permute
@@ -364,7 +372,13 @@ class DoubleBlindServer:
         flight = session.in_flight
         if flight is None:
             raise InvariantError("no request in flight for this node (callers check)")
-        works = [session.evaluator.take(inputs, rows) for rows in flight.packed(flight.indices)]
+        evaluator = session.evaluator
+        works = [evaluator.take(inputs, rows) for rows in flight.packed(flight.indices)]
+        selected = yield from self._refreshing(node_id, session, lockstep(works))
+        # Select from the patches, then embed: the selection's Benes network permutes
+        # C * p * p ciphertexts per set instead of the embedding's D (48 instead of 96 for the
+        # default tiny ViT), and under CKKS each of its layers is a refresh of all of them.
+        works = [evaluator.embed(self.model, batch) for batch in selected]
         flight.current = yield from self._refreshing(node_id, session, lockstep(works))
         return (yield from self._block_stage(node_id, session, global_arrays))
 
@@ -545,11 +559,3 @@ class DoubleBlindServer:
         except KeyError:
             raise ProtocolError(f"node {node_id} has not completed setup") from None
 
-
-def _at_once(work: Work[Any]) -> Any:
-    """The result of a work that must not need refreshes (the embedding: one level)."""
-
-    def refuse(items: list[Any]) -> list[Any]:
-        raise ProtocolError("internal: the embedding asked for a refresh")
-
-    return drive(work, refuse)
