@@ -285,6 +285,12 @@ class Circuit:
                 self._vectors[cache_key] = plain
         return plain
 
+    def forget_vectors(self, drop: Callable[[Any], bool]) -> None:
+        """Remove the cached plaintexts whose key ``drop`` selects (one-off masks, e.g. a
+        permutation's, that would otherwise stay for the circuit's lifetime)."""
+        for cache_key in [k for k in self._vectors if drop(k[0])]:
+            del self._vectors[cache_key]
+
     def _out(self, operation: Any, *args: Any) -> Ciphertext:
         """Run a SEAL evaluator operation that writes into a new ciphertext."""
         result = sealapi.Ciphertext(self.seal)

@@ -33,7 +33,7 @@ from fedfm.crypto.backend import Work, lockstep
 from fedfm.crypto.benes import SwapLayer, benes_layers, drop_identity_layers, pad_permutation
 from fedfm.crypto.circuit import Ciphertext, Circuit, ProductSum, evaluate_traced, symbol
 from fedfm.crypto.packing import SlotLayout
-from fedfm.errors import ModelError, ProtocolError
+from fedfm.errors import InvariantError, ModelError, ProtocolError
 
 if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
     from fedfm.models.fhe_vit import FheAttention, FheViT
@@ -640,12 +640,21 @@ def permute(
     state: list[list[Ciphertext | None]] = [
         list(feature) + [None] * (count - len(feature)) for feature in x
     ]
-    for layer in layers:
-        live = [ct for feature in state for ct in feature if ct is not None]
-        (fresh,) = yield from circuit.ensure([live], 1, "permute")
-        iterator = iter(fresh)
-        state = [[next(iterator) if ct is not None else None for ct in f] for f in state]
-        state = [_swap_layer(circuit, layout, feature, layer) for feature in state]
+    maps = [_layer_map(layout, count, layer) for layer in layers]
+    token = object()  # this call's encoded masks, shared by all features, dropped at the end
+    try:
+        for first in range(0, len(maps), PERMUTE_LAYERS_PER_LEVEL):
+            merged = maps[first]
+            for later in maps[first + 1 : first + PERMUTE_LAYERS_PER_LEVEL]:
+                merged = _compose(merged, later)
+            live = [ct for feature in state for ct in feature if ct is not None]
+            (fresh,) = yield from circuit.ensure([live], 1, "permute")
+            iterator = iter(fresh)
+            state = [[next(iterator) if ct is not None else None for ct in f] for f in state]
+            key = (token, first)
+            state = [_apply_map(circuit, feature, merged, key) for feature in state]
+    finally:
+        circuit.forget_vectors(lambda k: isinstance(k, tuple) and len(k) > 0 and k[0] is token)
     kept = layout.ciphertexts_for(chosen.size)
     out = [feature[:kept] for feature in state]
     stray = full[chosen.size : kept * capacity]
@@ -665,52 +674,95 @@ def permute(
     return out  # type: ignore[return-value]
 
 
-def _swap_layer(
-    circuit: Circuit,
-    layout: SlotLayout,
-    feature: list[Ciphertext | None],
-    layer: SwapLayer,
-) -> list[Ciphertext | None]:
-    """One Benes stage on one feature's ciphertexts: pairs ``(p, p + distance)`` swap where
+# Benes layers per multiplicative level. A layer is a masked sum (one level); composing the
+# masks of consecutive layers in plaintext evaluates two layers as one masked sum of up to nine
+# rotated terms instead of two of three: half the refreshes (one per level under ckks-8192) and
+# their round trips, for twice the rotations.
+PERMUTE_LAYERS_PER_LEVEL = 2
+
+SlotMap = list[dict[tuple[int, int], tuple[np.ndarray, tuple[int, ...]]]]
+"""A linear map of a feature's ciphertexts made of rotations and slot masks: per output
+ciphertext, ``(input ciphertext, rotation steps) -> (mask, path)`` with ``out[c] = sum
+rotate(x[source], steps) * mask``; ``path`` is a sequence of keyed rotations that makes
+``steps`` (rotations commute, so any path to the same steps gives the same ciphertext)."""
+
+
+def _layer_map(layout: SlotLayout, count: int, layer: SwapLayer) -> SlotMap:
+    """One Benes stage on ``count`` ciphertexts: pairs ``(p, p + distance)`` swap where
     ``layer.swap[p]``; within a ciphertext by rotations, across ciphertexts by masks alone."""
     distance, swap = layer.distance, layer.swap
-    capacity, count = layout.capacity, len(feature)
+    capacity = layout.capacity
     low = np.zeros(count * capacity, dtype=bool)
     low[: swap.size] = swap
     high = np.zeros_like(low)
     high[distance:] = low[:-distance]
-    keep = ~(low | high)
-
-    def masks(selected: np.ndarray) -> np.ndarray:
-        return layout.group_mask(selected, layout.group)
-
-    out: list[Ciphertext | None] = []
+    keep_m, low_m, high_m = (layout.group_mask(m, layout.group) for m in (~(low | high), low, high))
+    out: SlotMap = []
     if distance < capacity:
-        keep_m, low_m, high_m = masks(keep), masks(low), masks(high)
         step = distance * layout.group
-        for c, ct in enumerate(feature):
-            if ct is None:
-                out.append(None)
-                continue
-            terms = [(ct, None, keep_m[c])] if keep_m[c].any() else []
-            if low_m[c].any():
-                terms.append((circuit.rotate(ct, step), None, low_m[c]))
-            if high_m[c].any():
-                terms.append((circuit.rotate(ct, -step), None, high_m[c]))
-            out.append(circuit.masked_sum(terms) if terms else None)
+        for c in range(count):
+            terms = {(c, 0): (keep_m[c], ()), (c, step): (low_m[c], (step,))}
+            terms[(c, -step)] = (high_m[c], (-step,))
+            out.append({k: v for k, v in terms.items() if v[0].any()})
         return out
     offset = distance // capacity
-    keep_m, low_m, high_m = masks(keep), masks(low), masks(high)
-    for c, ct in enumerate(feature):
-        partner_index = c + offset if (c // offset) % 2 == 0 else c - offset
-        partner = feature[partner_index] if partner_index < count else None
-        selected = low_m[c] if partner_index > c else high_m[c]
-        terms = []
-        if ct is not None and keep_m[c].any():
-            terms.append((ct, None, keep_m[c]))
-        if partner is not None and selected.any():
-            terms.append((partner, None, selected))
-        out.append(circuit.masked_sum(terms) if terms else None)
+    for c in range(count):
+        partner = c + offset if (c // offset) % 2 == 0 else c - offset
+        selected = low_m[c] if partner > c else high_m[c]
+        terms = {(c, 0): (keep_m[c], ())}
+        if partner < count:
+            terms[(partner, 0)] = (selected, ())
+        out.append({k: v for k, v in terms.items() if v[0].any()})
+    return out
+
+
+def _compose(first: SlotMap, second: SlotMap) -> SlotMap:
+    """The map ``second(first(x))``: ``rotate(m * y, q) = rotate(m, q) * rotate(y, q)``, so a
+    term ``(y, r, m)`` of ``first`` under a term ``(q, n)`` of ``second`` becomes ``(y, r + q,
+    rotate(m, q) * n)``; masks of equal ``(y, r + q)`` add up."""
+    out: SlotMap = []
+    for terms in second:
+        merged: dict[tuple[int, int], tuple[np.ndarray, tuple[int, ...]]] = {}
+        for (middle, q), (outer, outer_path) in terms.items():
+            for (source, r), (inner, inner_path) in first[middle].items():
+                # rotate(ct, q)[i] = ct[i + q]: the mask moves the same way as the values
+                mask = np.roll(inner, -q) * outer
+                if not mask.any():
+                    continue
+                key = (source, r + q)
+                if key in merged:
+                    merged[key] = (merged[key][0] + mask, merged[key][1])
+                else:
+                    merged[key] = (mask, inner_path + outer_path)
+        out.append(merged)
+    return out
+
+
+def _apply_map(
+    circuit: Circuit, feature: list[Ciphertext | None], slot_map: SlotMap, key: tuple[object, int]
+) -> list[Ciphertext | None]:
+    """``slot_map`` on one feature's ciphertexts (one level); each rotation is made once, from
+    the longest prefix of its path already made. Masks are encoded once per ``key`` (the same
+    for every feature)."""
+    rotated: dict[tuple[int, int], Ciphertext] = {}
+
+    def moved(source: int, path: tuple[int, ...]) -> Ciphertext:
+        steps = sum(path)
+        if (source, steps) not in rotated:
+            base = feature[source] if len(path) <= 1 else moved(source, path[:-1])
+            if base is None:
+                raise InvariantError("a permutation rotated an empty ciphertext")
+            rotated[(source, steps)] = circuit.rotate(base, path[-1]) if path else base
+        return rotated[(source, steps)]
+
+    out: list[Ciphertext | None] = []
+    for c, terms in enumerate(slot_map):
+        parts = [
+            (moved(source, path), (*key, c, source, steps), mask)
+            for (source, steps), (mask, path) in terms.items()
+            if feature[source] is not None
+        ]
+        out.append(circuit.masked_sum(parts) if parts else None)
     return out
 
 
