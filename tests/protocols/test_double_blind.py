@@ -371,6 +371,21 @@ def test_setup_reply_with_wrong_class_count_is_refused(model, splits) -> None:
         server.on_setup(reply)
 
 
+def test_setup_reply_with_images_the_model_cannot_read_is_refused(model, splits) -> None:
+    server = research_server(model, small_config(), log=print)
+    data = make_data(splits)
+    small = replace(
+        data,
+        train_images=data.train_images[..., :8, :8],
+        eval_images=data.eval_images[..., :8, :8],
+    )
+    client = DoubleBlindClient(small, BACKEND, policy=PLAIN)
+    reply, _ = client.handle(server.setup_request(1), ClientState())
+    with pytest.raises(ProtocolError, match=r"shape \(3, 8, 8\); the model reads \(3, 16, 16\)"):
+        server.on_setup(reply)
+    assert 1 not in server.sessions  # nothing registered
+
+
 # -- driver ---------------------------------------------------------------------------------------
 
 

@@ -229,12 +229,24 @@ class DoubleBlindServer:
         }
         num_train = int(require_config(reply, "num_train", int))
         num_eval = int(require_config(reply, "num_eval", int))
+        embed = self.model.vit.patch_embed
+        size = embed.img_size if embed.img_size is not None else (None, None)
+        image_shape = (embed.proj.in_channels, *size)
         for name, count in (("train", num_train), ("eval", num_eval)):
             images, labels = uploads[f"{name}_images"], uploads[f"{name}_labels"]
             if images.shape[0] != count or labels.shape != (count, self.num_classes):
                 raise ProtocolError(
                     f"{name} upload has images {images.shape} and labels {labels.shape}, "
                     f"expected {count} samples and {self.num_classes} classes"
+                )
+            # refused here, not at the first round that embeds a batch of them
+            if len(images.shape) != 4 or any(
+                want is not None and got != want
+                for got, want in zip(images.shape[1:], image_shape, strict=True)
+            ):
+                raise ProtocolError(
+                    f"{name} upload has images of shape {tuple(images.shape[1:])}; the model "
+                    f"reads {image_shape} (channels, height, width)"
                 )
         self.sessions[reply.node_id] = ClientSession(
             evaluator=evaluator,
