@@ -178,6 +178,14 @@ class Evaluator(ABC):
         """The samples ``indices`` (distinct) of ``batch`` in that order: selection, permutation."""
 
     @abstractmethod
+    def join(self, first: EncryptedBatch, second: EncryptedBatch) -> tuple[EncryptedBatch, int]:
+        """One batch holding ``first``'s samples and, from row ``offset`` on, ``second``'s; the
+        rows in between (if any) hold zeros and are never taken. ``offset`` is
+        ``len(first)`` when ``second`` fits the free samples of ``first``'s last set of
+        ciphertexts (it moves in by a rotation), else ``first`` rounded up to whole sets
+        (:attr:`samples_per_set`), so that :meth:`take` can select from both at once."""
+
+    @abstractmethod
     def embed(self, model: FheViT, images: EncryptedBatch) -> Work[EncryptedBatch]:
         """The embedding ``b_0`` of encrypted images."""
 
@@ -214,6 +222,15 @@ class Evaluator(ABC):
     def refreshed(self, payload: dict[str, np.ndarray]) -> list[Any]:
         """The fresh items of a data owner's refresh answer, checked."""
         raise ProtocolError(f"the {self.backend} backend never asks for refreshes")
+
+
+def join_offset(first: int, second: int, capacity: int) -> int:
+    """Where :meth:`Evaluator.join` puts a batch of ``second`` samples after one of ``first``
+    when a set of ciphertexts holds ``capacity`` samples (one rule for every backend)."""
+    free = -first % capacity
+    if second <= free:
+        return first
+    return first + free
 
 
 class CryptoBackend(ABC):

@@ -72,6 +72,7 @@ from fedfm.crypto.backend import (
     KeyOwner,
     ModelGeometry,
     Work,
+    join_offset,
 )
 from fedfm.crypto.circuit import Circuit
 from fedfm.crypto.packing import SlotLayout
@@ -654,6 +655,29 @@ class CkksEvaluator(Evaluator):
             copies=source.copies,
             releaser=self.release,
         )
+
+    def join(self, first: EncryptedBatch, second: EncryptedBatch) -> tuple[CkksBatch, int]:
+        a, b = self._check(first), self._check(second)
+        if a.shape[1:] != b.shape[1:] or a.layout != b.layout or a.copies != b.copies:
+            raise ProtocolError(f"cannot join batches of shapes {a.shape} and {b.shape}")
+        offset = join_offset(a.samples, b.samples, a.layout.capacity)
+        if offset == a.samples and offset % a.layout.capacity:
+            # ``b`` (one ciphertext per feature) moves into the free groups of ``a``'s last
+            # ciphertext: a rotation by whole groups, then a sum. Both hold zeros where the
+            # other has samples (a data owner's padding), so no level is spent on masks.
+            shift = -(offset % a.layout.capacity) * a.layout.group
+            tensor = [
+                [*head[:-1], self.circuit.add(head[-1], self.circuit.rotate(tail[0], shift))]
+                for head, tail in zip(a.tensor, b.tensor, strict=True)
+            ]
+        else:
+            tensor = [[*head, *tail] for head, tail in zip(a.tensor, b.tensor, strict=True)]
+        shape = (offset + b.samples, *a.shape[1:])
+        frozen = tuple(tuple(feature) for feature in tensor)
+        joined = CkksBatch(
+            frozen, shape, a.layout, self.fingerprint, copies=a.copies, releaser=self.release
+        )
+        return joined, offset
 
     def embed(self, model: FheViT, images: EncryptedBatch) -> Work[CkksBatch]:
         source = self._check(images)

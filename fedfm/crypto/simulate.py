@@ -31,6 +31,7 @@ from fedfm.crypto.backend import (
     ModelGeometry,
     Work,
     finished,
+    join_offset,
 )
 from fedfm.crypto.params import CKKS_8192, CkksParameters
 from fedfm.errors import CryptoParameterError, ProtocolError
@@ -149,6 +150,14 @@ class SimulatedEvaluator(Evaluator):
         if order.ndim != 1 or len(set(order.tolist())) != order.size:
             raise ProtocolError("take needs a 1-D array of distinct indices")
         return finished(self._wrap(self._check(batch).values[order]))
+
+    def join(self, first: EncryptedBatch, second: EncryptedBatch) -> tuple[SimulatedBatch, int]:
+        a, b = self._check(first).values, self._check(second).values
+        if a.shape[1:] != b.shape[1:]:
+            raise ProtocolError(f"cannot join batches of shapes {a.shape} and {b.shape}")
+        offset = join_offset(len(a), len(b), self.samples_per_set)
+        gap = np.zeros((offset - len(a), *a.shape[1:]), dtype=a.dtype)
+        return self._wrap(np.concatenate([a, gap, b])), offset
 
     @staticmethod
     def _on_model_device(model: FheViT, values: np.ndarray) -> torch.Tensor:

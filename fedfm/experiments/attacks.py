@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from scipy.optimize import linear_sum_assignment
 from fedfm.crypto.backend import CryptoBackend
 from fedfm.errors import ConfigError, InvariantError, ProtocolError
 from fedfm.experiments.observed import BLOCK_MESSAGES, DrawnBatches
-from fedfm.protocols.double_blind.client import ClientData, ClientState
+from fedfm.protocols.double_blind.client import KEPT, ClientData, ClientState
 from fedfm.protocols.double_blind.config import EVALUATE_BLOCK, TRAIN_SECAGG
 from fedfm.protocols.double_blind.messages import SIZE_ARRAYS, BlockRequest
 from fedfm.protocols.double_blind.permutation import relative
@@ -118,26 +118,31 @@ class CuriousClient:
         if block != num_blocks:
             return
         count = int(request.config["num_batches"])
-        perms = state.group("perm")
+        # held-out batches: all of an evaluation's, the last ones of a training round they
+        # ride along (the client then keeps them under ``kept``, the training ones stay)
+        riding = int(request.config.get("evaluation_batches", 0))
+        training = 0 if request.message_type == EVALUATE_BLOCK else count - riding
         labels: list[np.ndarray | None] = [None] * count
-        if request.message_type == EVALUATE_BLOCK:
+        if training < count:
             key = self.backend.restore_key_owner(state.group("key"))
             packed = BlockRequest.from_envelope(request, key.load)
             rows = np.concatenate([key.decrypt(batch) for batch in packed.labels])
             splits = np.cumsum(packed.batch_sizes)[:-1]
             labels = [part.argmax(axis=1) for part in np.split(rows, splits)]
-        kind = "evaluate" if request.message_type == EVALUATE_BLOCK else "train"
         for i in range(count):
-            blocks = [state.group(f"block{b}")[str(i)] for b in range(1, num_blocks + 1)]
+            kind, index = ("train", i) if i < training else ("evaluate", i - training)
+            source = state if i < training or training == 0 else _kept(state)
+            perms = source.group("perm")
+            blocks = [source.group(f"block{b}")[str(index)] for b in range(1, num_blocks + 1)]
             self.views.append(
                 BatchView(
                     kind,
                     request.round,
-                    i,
+                    index,
                     blocks,
-                    perms[f"wrap.{i}"],
-                    perms[f"steps.{i}"],
-                    labels[i],
+                    perms[f"wrap.{index}"],
+                    perms[f"steps.{index}"],
+                    labels[i] if kind == "evaluate" else None,
                 )
             )
 
@@ -148,6 +153,11 @@ class CuriousClient:
             raise ProtocolError(f"node {self.node_id} received no evaluation batch")
         chosen = rounds[0] if server_round is None else server_round
         return [v for v in self.views if v.kind == "evaluate" and v.round == chosen]
+
+
+def _kept(state: ClientState) -> ClientState:
+    """The held-out outputs a client keeps, as a state whose groups are theirs."""
+    return replace(state, arrays=state.group(KEPT))
 
 
 def evaluation_batches(num_eval: int, batch_size: int) -> list[np.ndarray]:

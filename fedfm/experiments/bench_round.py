@@ -236,8 +236,9 @@ def run_round_benchmark(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure ``rounds`` rounds (a) in process and (b) on the Deployment Engine; write the
-    results. Round 1 evaluates the frozen blocks under encryption; later rounds evaluate on the
-    outputs the clients kept (``docs/double_blind.md``), so both are reported."""
+    results. In round 1 the held-out sets ride along the training batches under encryption (a
+    larger selection and set); every evaluation runs on the outputs the clients kept
+    (``docs/double_blind.md``), so both rounds are reported."""
     from fedfm.crypto.randomness import write_secret_file
 
     if rounds < 1:
@@ -330,9 +331,10 @@ def run_round_benchmark(
     description = (
         f"Double-blind rounds of the distilled student in {workdir} (digits unless its run "
         f"says otherwise): {clients} clients (iid), 1 batch of {batch_size} each per round, "
-        f"{rounds} rounds, each evaluated, secure aggregation on; backend `{backend}`. Round 1 "
-        "evaluates the frozen blocks on the held-out sets under encryption; later rounds "
-        "evaluate on the outputs the clients kept from it (one round trip). "
+        f"{rounds} rounds, each evaluated, secure aggregation on; backend `{backend}`. In round 1 "
+        "each client's held-out set rides along its training batch in one set of ciphertexts "
+        "(the frozen blocks evaluated on both under encryption) and the client keeps its "
+        "outputs; every round's evaluation is then one round trip on the kept outputs. "
         "(a) every party in this process; "
         "(b) a local Deployment Engine as the deployment tests start it: a TLS SuperLink and "
         f"{clients} authenticated SuperNodes on 127.0.0.1, all on this machine's 2 cores with the "

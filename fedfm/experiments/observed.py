@@ -74,18 +74,35 @@ class RecordingServer(DoubleBlindServer):
         self.drawn: list[DrawnBatches] = []
 
     def start(
-        self, kind: str, node_id: int, server_round: int, global_arrays: dict[str, np.ndarray]
+        self,
+        kind: str,
+        node_id: int,
+        server_round: int,
+        global_arrays: dict[str, np.ndarray],
+        *,
+        with_evaluation: bool = False,
     ) -> Envelope | None:
-        request = super().start(kind, node_id, server_round, global_arrays)
-        flight = self.sessions[node_id].in_flight
-        if request is not None and flight is not None:
+        """The server's ``start``, recording the draw; a held-out set riding along a training
+        round is recorded as that round's evaluation draw (indices into the held-out set)."""
+        request = super().start(
+            kind, node_id, server_round, global_arrays, with_evaluation=with_evaluation
+        )
+        session = self.sessions[node_id]
+        flight = session.in_flight
+        if request is None or flight is None or flight.kept_evaluation is not None:
+            return request  # nothing drawn (an evaluation on the client's kept outputs)
+        training = len(flight.indices) - flight.evaluation_batches
+        draws = [(kind, 0, slice(0, training))]
+        if flight.evaluation_batches:
+            draws.append(("evaluate", session.joined_uploads()[2], slice(training, None)))
+        for drawn_kind, offset, part in draws:
             self.drawn.append(
                 DrawnBatches(
-                    kind,
+                    drawn_kind,
                     server_round,
                     node_id,
-                    [i.copy() for i in flight.indices],
-                    list(flight.permutations),
+                    [i - offset for i in flight.indices[part]],
+                    list(flight.permutations[part]),
                 )
             )
         return request

@@ -166,6 +166,31 @@ def test_take_selects_and_permutes(owner: CkksKeyOwner, evaluator: CkksEvaluator
         run_locally(evaluator.take(batch, np.array([1, 1])), evaluator, owner)
 
 
+@pytest.mark.parametrize(("first", "second"), [(500, 10), (500, 20)])
+def test_join_puts_a_second_batch_where_take_selects_from_both(
+    owner: CkksKeyOwner, evaluator: CkksEvaluator, first: int, second: int
+) -> None:
+    """512 samples fit a ciphertext here: 10 samples move into the 12 free ones of the first
+    batch's last ciphertext (offset 500, one rotation and a sum), 20 do not (offset 512, the
+    ciphertexts appended). Either way, one take selects from both, and the offset is the
+    ``simulate`` backend's (one message flow)."""
+    assert evaluator.samples_per_set == 512
+    for shape in ((5, 2), (3,)):  # hidden states and (n, C) rows (labels)
+        a, b = _values(first, *shape), _values(second, *shape, seed=1)
+        joined, offset = evaluator.join(owner.encrypt(a), owner.encrypt(b))
+        simulated = SimulateBackend().create_key_owner(geometry=GEOMETRY)
+        plain = SimulateBackend().create_evaluator(simulated.public_context(), GEOMETRY)
+        reference, expected = plain.join(simulated.encrypt(a), simulated.encrypt(b))
+        assert offset == expected == (500 if second == 10 else 512)
+        assert joined.shape == reference.shape == (offset + second, *shape)
+        rows = np.array([offset + second - 1, 0, first - 1, offset, offset + 3])
+        taken = run_locally(evaluator.take(joined, rows), evaluator, owner)
+        both = np.concatenate([a, np.zeros((offset - first, *shape)), b])
+        np.testing.assert_allclose(owner.decrypt(taken), both[rows], atol=1e-5)
+    with pytest.raises(ProtocolError, match="cannot join"):
+        evaluator.join(owner.encrypt(_values(4, 5, 2)), owner.encrypt(_values(4, 3)))
+
+
 def test_embedding_and_blocks_match_the_plaintext_model(
     tiny: tuple[FheViT, torch.Tensor], owner: CkksKeyOwner, evaluator: CkksEvaluator
 ) -> None:

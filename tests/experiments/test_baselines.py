@@ -101,11 +101,10 @@ def test_linear_probe_is_the_protocol_with_rank_zero(
     # a near-tie of two logits may flip between the runs: one held-out sample at most
     accuracies = [r.balanced_accuracy for r in direct]
     assert [r.balanced_accuracy for r in probe] == pytest.approx(accuracies, abs=0.02)
-    # R + 1 round trips to train and 4 SecAgg stages per round (R revealed blocks); R to
-    # evaluate in round 1, one (on the kept outputs) later; plus setup
+    # R + 1 round trips to train and 4 SecAgg stages per round (R revealed blocks); one to
+    # evaluate, on the held-out outputs kept from round 1 (they rode along); plus setup
     shown = len(revealed_blocks(CONFIG.reveal, student.num_blocks))
-    later = CONFIG.rounds - 1
-    assert transport.stats.round_trips == 1 + (2 * shown + 5) + later * (shown + 6)
+    assert transport.stats.round_trips == 1 + CONFIG.rounds * (shown + 6)
 
 
 def test_full_finetune_is_fedavg_of_one_sgd_step_per_client(
@@ -238,7 +237,7 @@ def test_adapt_refuses_bad_input_in_one_line(
 
 
 def test_bench_protocol_writes_the_round_table(
-    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    workdir: Path, splits: DataSplits, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["bench-protocol", *SMALL, *DATA, "--workdir", str(workdir), "--repeats", "1"]
     code, _, err = run_cli([*argv, "--results-dir", str(tmp_path)], capsys)
@@ -249,14 +248,19 @@ def test_bench_protocol_writes_the_round_table(
     assert "simulate" in payload["description"] and "N=8192" in payload["description"]
     ours, probe = rows["ours"], rows["linear-probe"]
     blocks = 4
-    # L + 1 to train, 4 SecAgg stages (secure aggregation is on by default), L to evaluate in
-    # round 1 and 1 in round 2 (on the kept outputs): the mean of SMALL's two rounds
-    per_round = ((2 * blocks + 5) + (blocks + 6)) / 2
+    # L + 1 to train, 4 SecAgg stages (secure aggregation is on by default), 1 to evaluate on
+    # the outputs kept since the held-out set rode along round 1's training
+    per_round = blocks + 6
     assert ours["round_trips_per_round"] == probe["round_trips_per_round"] == per_round
     # one N=8192 ciphertext (3 data primes: 393216 bytes) per feature (96) per set of batches:
-    # a round's two batches of 16 share one set (up to 128 samples of 17 tokens)
-    assert ours["block_bytes_down_per_sample_block"] == pytest.approx(96 * 393216 / 32)
-    assert ours["block_bytes_up_per_sample_block"] == pytest.approx(96 * 393216 / 32)
+    # a round's two batches of 16 share one set (up to 128 samples of 17 tokens) with, in
+    # round 1, the client's held-out samples riding along
+    clients = federation_data(splits, Federation(num_clients=2, scheme="iid"), CONFIG)
+    held_out = sum(len(data.eval_labels) for data in clients)
+    messages = 2 * 2  # train.block messages per block: 2 clients x 2 rounds, one set each
+    per_sample = 96 * 393216 * messages / (messages * 32 + held_out)
+    assert ours["block_bytes_down_per_sample_block"] == pytest.approx(per_sample)
+    assert ours["block_bytes_up_per_sample_block"] == pytest.approx(per_sample)
     assert ours["seconds_ratio_vs_linear_probe"] == pytest.approx(
         ours["median_seconds_per_round"] / probe["median_seconds_per_round"]
     )

@@ -655,7 +655,8 @@ def test_flower_transport_turns_silence_and_errors_into_failures(student_dir) ->
     assert (history[0].clients_trained, history[0].clients_evaluated) == (2, 2)
     # secure aggregation (the default): the ClientApps answered its 4 stages as train.secagg
     # messages, and no train.loss reply carried parameters
-    assert history[0].round_trips == 2 * 4 + 1 + len(STAGES)
+    # the held-out sets rode along the training: one round trip evaluates, on the kept outputs
+    assert history[0].round_trips == 4 + 1 + len(STAGES) + 1
     answered = [reply for reply in grid.answered if not reply.has_error()]
     secagg = [m for m in answered if m.metadata.message_type == TRAIN_SECAGG]
     assert len(secagg) == 2 * len(STAGES)
@@ -713,10 +714,9 @@ def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir
             np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=1e-5)
     for ours, theirs in zip(history, expected, strict=True):
         assert ours["train_loss"] == pytest.approx(theirs.train_loss, rel=1e-5)
-        # the ClientApps kept round 1's held-out outputs in their context state: later rounds
-        # evaluate in one round trip
-        evaluation = 4 if ours["round"] == 1 else 1
-        trips = 4 + 1 + len(STAGES) + evaluation
+        # the held-out sets rode along round 1's training and the ClientApps kept their
+        # outputs in their context state: every round evaluates in one round trip
+        trips = 4 + 1 + len(STAGES) + 1
         assert (ours["clients_trained"], ours["round_trips"]) == (3, trips)
         # a near-tie of two logits may flip between the runs: one held-out sample at most
         assert ours["accuracy"] == pytest.approx(theirs.accuracy, abs=0.02)

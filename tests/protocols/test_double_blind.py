@@ -338,6 +338,64 @@ def test_later_evaluations_use_the_outputs_the_client_kept(model, splits) -> Non
         server.on_reply(forged)
 
 
+def test_the_held_out_set_rides_along_the_first_training_round(model, splits) -> None:
+    """With ``with_evaluation`` the held-out batches travel in the training round's sets of
+    ciphertexts: the client keeps their outputs and trains on its training batches only (the
+    plaintext SGD step: :func:`test_protocol_update_equals_plaintext_sgd_step`), and the
+    round's evaluation is one ``evaluate.cached`` message that scores as a full evaluation
+    does."""
+    config = small_config(momentum=0.0, lr=0.5, secure_aggregation=False)
+    server, client, state = setup_pair(model, splits, config)
+    initial = server.initial_arrays(96)
+    request = server.start("train", 7, 1, initial, with_evaluation=True)
+    flight = server.sessions[7].in_flight
+    assert request.config["evaluation_batches"] == 1 and len(flight.indices) == 3
+    assert request.arrays["set_sizes"].tolist() == [3]  # 16 + 16 + 20 samples: one set
+    outcome = request
+    while isinstance(outcome, Envelope):
+        reply, state = client.handle(outcome, state)
+        outcome = server.on_reply(reply)
+    assert outcome.num_examples == 32 and server.sessions[7].evaluation_kept
+    assert {k for k in state.arrays if k.startswith(f"{KEPT}.labels")} == {f"{KEPT}.labels.0"}
+    # the evaluation is one message on the kept outputs, scored as a full evaluation
+    seen, kept, _ = _evaluate(server, client, state, 1, outcome.arrays)
+    assert seen == [EVALUATE_CACHED] and kept.confusion.sum() == 20
+    server_b, client_b, state_b = setup_pair(model, splits, config)
+    _, reference, _ = _evaluate(server_b, client_b, state_b, 1, outcome.arrays)
+    np.testing.assert_array_equal(kept.confusion, reference.confusion)
+
+
+def test_held_out_batches_riding_along_are_checked(model, splits) -> None:
+    """The client refuses held-out batches that are not all its held-out samples once, or whose
+    count changes after block 1; the server refuses a client that did not keep them."""
+    server, client, state = setup_pair(model, splits)
+    arrays = server.initial_arrays(96)
+    request = server.start("train", 7, 1, arrays, with_evaluation=True)
+    for riding, message in (
+        (2, "held-out batches of \\[16, 20\\]"),
+        (0, "batches of \\[16, 16, 20\\]"),
+    ):
+        forged = replace(request, config={**request.config, "evaluation_batches": riding})
+        with pytest.raises(ProtocolAbort, match=message):
+            client.handle(forged, state)
+    with pytest.raises(ProtocolError, match="evaluation_batches 3 is not a count below its 3"):
+        client.handle(replace(request, config={**request.config, "evaluation_batches": 3}), state)
+    reply, after_block1 = client.handle(request, state)
+    block2 = server.on_reply(reply)
+    forged = replace(block2, config={**block2.config, "evaluation_batches": 0})
+    with pytest.raises(ProtocolAbort, match="0 held-out batches ride along, block 1 said 1"):
+        client.handle(forged, after_block1)
+    outcome, current = block2, after_block1
+    while outcome.config.get("block") != outcome.config.get("num_blocks"):
+        reply, current = client.handle(outcome, current)
+        outcome = server.on_reply(reply)
+    reply, _ = client.handle(outcome, current)
+    assert reply.config["kept"] is True
+    dropped = replace(reply, config={k: v for k, v in reply.config.items() if k != "kept"})
+    with pytest.raises(ProtocolError, match="did not keep the held-out outputs of round 1"):
+        server.on_reply(dropped)
+
+
 def test_wrong_shapes_are_refused_by_the_server(model, splits) -> None:
     server, client, state = setup_pair(model, splits)
     request = server.start("train", 7, 1, server.initial_arrays(96))
@@ -389,15 +447,19 @@ def test_setup_reply_with_images_the_model_cannot_read_is_refused(model, splits)
 # -- driver ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("secure", [True, False])
-def test_protocol_update_equals_plaintext_sgd_step(model, splits, secure) -> None:
+@pytest.mark.parametrize(("secure", "riding"), [(True, False), (False, False), (True, True)])
+def test_protocol_update_equals_plaintext_sgd_step(model, splits, secure, riding) -> None:
     """Permutations, encryption and the split of work change nothing in the mathematics; with
-    secure aggregation the client keeps the same step as its update instead of sending it."""
+    secure aggregation the client keeps the same step as its update instead of sending it; a
+    held-out set riding along (``riding``) leaves the step on the training batches as it is."""
     config = small_config(momentum=0.0, lr=0.5, secure_aggregation=secure)
     server, client, state = setup_pair(model, splits, config)
     initial = server.initial_arrays(96)
-    request = server.start("train", 7, 1, initial)
-    batches = [b.copy() for b in server.sessions[7].in_flight.indices]
+    request = server.start("train", 7, 1, initial, with_evaluation=riding)
+    flight = server.sessions[7].in_flight
+    assert flight.evaluation_batches == (1 if riding else 0)  # 20 held-out samples: one batch
+    # the training batches come first (the held-out ones follow, as rows of the joined upload)
+    batches = [b.copy() for b in flight.indices[: config.batches_per_round]]
     outcome = request
     while isinstance(outcome, Envelope):
         reply, state = client.handle(outcome, state)
@@ -486,12 +548,12 @@ def test_in_process_run_accounts_round_trips(model, splits) -> None:
     assert [record.round for record in history] == [1, 2, 3]
     assert all(np.isfinite(record.train_loss) for record in history)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history)
-    # R + 1 round trips to train and 4 SecAgg stages per round (R revealed blocks); R to
-    # evaluate in round 1 and one in later rounds (the clients kept the frozen blocks' outputs
-    # on their held-out sets); plus setup
+    # R + 1 round trips to train and 4 SecAgg stages per round (R revealed blocks); one to
+    # evaluate (the held-out sets rode along round 1's training and the clients kept the
+    # frozen blocks' outputs); plus setup
     shown = len(revealed_blocks(config.reveal, model.num_blocks))
-    assert [record.round_trips for record in history] == [2 * shown + 5] + [shown + 6] * 2
-    assert transport.stats.round_trips == 1 + (2 * shown + 5) + 2 * (shown + 6)
+    assert [record.round_trips for record in history] == [shown + 6] * 3
+    assert transport.stats.round_trips == 1 + 3 * (shown + 6)
 
 
 def test_progress_lines_say_where_each_client_stands(model, splits) -> None:
@@ -507,12 +569,13 @@ def test_progress_lines_say_where_each_client_stands(model, splits) -> None:
     progress = [line for line in lines if "round trips, 2 in flight" in line]
     train = [line for line in progress if "[simulate] train:" in line]
     evaluate = [line for line in progress if "[simulate] evaluate:" in line]
-    assert len(train) == shown and len(evaluate) == shown - 1  # trips 1.. of L + 1 and of L
+    # trips 1.. of the training's L + 1; the evaluation is one trip (the held-out sets rode
+    # along the training), so no line comes between its trips
+    assert len(train) == shown and evaluate == []
     assert train[0].startswith("[fedfm] round 1/1 [simulate] train: 1 round trips")
     # after trip k the server has sent block k + 1 (after the last block: the loss message)
     assert f"node 0 train block 2/{shown} at the client; node 1 train block 2/{shown}" in train[0]
     assert "node 0 train loss at the client; node 1 train loss at the client" in train[-1]
-    assert f"evaluate block {shown}/{shown} at the client" in evaluate[-1]
     quiet: list[str] = []
     run_research(model, splits, config, Federation(num_clients=2), log=quiet.append)
     assert not [line for line in quiet if "in flight" in line]
@@ -542,8 +605,9 @@ def test_evaluate_every_skips_evaluations_but_not_the_last(model, splits) -> Non
     assert [record.clients_evaluated for record in history] == [0, 2, 2]
     assert np.isnan(history[0].balanced_accuracy) and np.isnan(history[0].accuracy)
     assert all(0.0 <= record.balanced_accuracy <= 1.0 for record in history[1:])
-    # round 2 is the first evaluation (R round trips), round 3 evaluates on the kept outputs (1)
-    assert [record.round_trips for record in history] == [shown + 5, 2 * shown + 5, shown + 6]
+    # round 2 is the first evaluation (its held-out sets ride along its training), round 3
+    # evaluates on the kept outputs too: one round trip each
+    assert [record.round_trips for record in history] == [shown + 5, shown + 6, shown + 6]
     # where a round's time went: inside the round trips (clients and messages) and the rest
     for record in history:
         assert 0.0 < record.median_round_trip_seconds <= record.transport_seconds

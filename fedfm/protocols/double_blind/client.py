@@ -199,11 +199,18 @@ def left_run(state: ClientState) -> ClientState:
 LABEL_TOLERANCE = 0.1
 # The update a client keeps for secure aggregation: ``update.*`` arrays and this config entry.
 UPDATE_WEIGHT = "update.num_examples"
+# The held-out batches riding along the training round in flight (config entry, from block 1).
+RIDING = "round.evaluation_batches"
 
 
 def run_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """A state's config without the round's entries (the update's weight, the SecAgg state)."""
-    return {k: v for k, v in config.items() if k != UPDATE_WEIGHT and not k.startswith(SECAGG)}
+    """A state's config without the round's entries (the update's weight, the held-out batches
+    riding along, the SecAgg state)."""
+    return {
+        k: v
+        for k, v in config.items()
+        if k not in (UPDATE_WEIGHT, RIDING) and not k.startswith(SECAGG)
+    }
 
 
 def one_hot(labels: np.ndarray, num_classes: int) -> np.ndarray:
@@ -440,6 +447,9 @@ class DoubleBlindClient:
         if not request.global_arrays:
             raise ProtocolError(f"{request.message_type} block 1 lacks the global adapter")
         self._check_batch_sizes(request, kind, DoubleBlindConfig.from_config(state.config))
+        settings = run_settings(state.config)
+        if request.evaluation_batches:
+            settings[RIDING] = request.evaluation_batches
         arrays = _between_rounds(state.arrays)
         arrays.update(pack_arrays("params", request.global_arrays))
         counters = (
@@ -453,7 +463,7 @@ class DoubleBlindClient:
             round=server_round,
             block=0,
             num_blocks=request.num_blocks,
-            config=run_settings(state.config),
+            config=settings,
             arrays=arrays,
             **counters,
         )
@@ -473,10 +483,15 @@ class DoubleBlindClient:
         self, request: BlockRequest, kind: str, config: DoubleBlindConfig
     ) -> None:
         """Batches as the run's settings allow: training ``batches_per_round`` of ``n``
-        distinct samples at most, evaluation every held-out sample once in batches of ``n`` to
+        distinct samples at most, evaluation (alone, or riding along a training round as its
+        last ``evaluation_batches``) every held-out sample once in batches of ``n`` to
         ``2n - 1``."""
-        sizes = request.batch_sizes
         n = config.batch_size
+        riding = request.evaluation_batches
+        if kind == "evaluate" and riding:
+            raise ProtocolError("evaluate.block 1 says some of its batches ride along")
+        held_out = request.batch_sizes[len(request.batch_sizes) - riding :] if riding else []
+        sizes = request.batch_sizes[: len(request.batch_sizes) - riding]
         if kind == "train":
             total = len(self.data.train_labels)
             if len(sizes) > config.batches_per_round or any(size != n for size in sizes):
@@ -484,15 +499,17 @@ class DoubleBlindClient:
                     f"train.block 1 carries batches of {sizes} samples; the run trains at most "
                     f"{config.batches_per_round} batches of {n}"
                 )
+            if sum(sizes) > total:
+                raise ProtocolError(f"train.block 1 asks for {sum(sizes)} of {total} samples")
         else:
+            held_out = sizes
+        if kind == "evaluate" or riding:
             total = len(self.data.eval_labels)
-            if any(not n <= size < 2 * n for size in sizes) or sum(sizes) != total:
+            if any(not n <= size < 2 * n for size in held_out) or sum(held_out) != total:
                 raise ProtocolError(
-                    f"evaluate.block 1 carries batches of {sizes} samples; expected all {total} "
-                    f"held-out samples in batches of {n} to {2 * n - 1}"
+                    f"{request.message_type} 1 carries held-out batches of {held_out} samples; "
+                    f"expected all {total} held-out samples in batches of {n} to {2 * n - 1}"
                 )
-        if sum(sizes) > total:
-            raise ProtocolError(f"{request.message_type} asks for {sum(sizes)} of {total} samples")
 
     def _block(
         self, envelope: Envelope, state: ClientState, key: KeyOwner
@@ -511,6 +528,11 @@ class DoubleBlindClient:
                 f"{envelope.message_type} block {request.block} of {request.num_blocks} in round "
                 f"{envelope.round} does not follow block {state.block} of {state.num_blocks} in "
                 f"round {state.round} ({state.stage})"
+            )
+        if request.block > 1 and request.evaluation_batches != state.config.get(RIDING, 0):
+            raise ProtocolError(
+                f"{envelope.message_type} block {request.block}: {request.evaluation_batches} "
+                f"held-out batches ride along, block 1 said {state.config.get(RIDING, 0)}"
             )
         first = state.group("block1")
         if request.block > 1 and request.batch_sizes != [
@@ -546,30 +568,66 @@ class DoubleBlindClient:
         relatives = {f"wrap.{i}": w for i, w in enumerate(request.wrap)}
         relatives |= {f"steps.{i}": s for i, s in enumerate(request.steps)}
         state = replace(state, arrays=state.with_group("perm", relatives))
-        logits = self._forward(state, len(sizes))
-        if kind == "evaluate":
+        # the held-out batches: all of an evaluation's, or the last ones riding along training
+        training = len(sizes) - request.evaluation_batches if kind == "train" else 0
+        held_out = list(range(training, len(sizes)))
+        labels: list[np.ndarray] = []
+        if held_out:
             if len(request.labels) != len(sets):
-                raise ProtocolError("evaluate.block: the last block lacks the encrypted labels")
+                raise ProtocolError(
+                    f"{envelope.message_type}: the last block lacks the encrypted labels"
+                )
             decrypted = _unpacked(key, request.labels, sets, sizes)
-            labels = [
-                self._labels(decrypted[str(i)], size, "evaluation labels")
+            every = [
+                self._labels(
+                    decrypted[str(i)],
+                    size,
+                    "held-out labels" if i >= training else "training labels",
+                )
                 for i, size in enumerate(sizes)
             ]
+            labels = every[training:]
             # every held-out sample once: the labels are exactly the client's own held-out ones
             self._check_label_counts(np.concatenate(labels), self.data.eval_labels, exact=True)
-            kept = {
-                f"block{b}.{i}": state.group(f"block{b}")[str(i)]
-                for b in range(1, request.num_blocks + 1)
-                for i in range(len(sizes))
-            }
-            kept |= {f"perm.{name}": value for name, value in state.group("perm").items()}
-            kept |= {f"labels.{i}": truth for i, truth in enumerate(labels)}
-            state = replace(state, stage="ready", arrays=state.with_group(KEPT, kept))
+            if training:
+                train_labels = np.concatenate(every[:training])
+                self._check_label_counts(train_labels, self.data.train_labels, exact=False)
+            state = self._keep_held_out(state, request.num_blocks, held_out, labels)
+        if kind == "evaluate":
+            logits = self._forward(state, len(sizes))
+            state = replace(state, stage="ready")
             return self._evaluation_reply(envelope, logits, labels), state
+        logits = self._forward(state, training)
         with torch.no_grad():
             probs = [key.encrypt(to_numpy(batch.softmax(dim=1))) for batch in logits]
             log_probs = [key.encrypt(to_numpy(batch.log_softmax(dim=1))) for batch in logits]
-        return batch_reply(envelope, {"probs": probs, "log_probs": log_probs}), state
+        kept: dict[str, Any] = {"kept": True} if held_out else {}
+        return batch_reply(envelope, {"probs": probs, "log_probs": log_probs}, **kept), state
+
+    @staticmethod
+    def _keep_held_out(
+        state: ClientState, num_blocks: int, held_out: list[int], labels: list[np.ndarray]
+    ) -> ClientState:
+        """``state`` keeping the outputs, relative permutations and labels of the held-out
+        batches ``held_out`` (renumbered from 0) under :data:`KEPT`; batches riding along a
+        training round leave the round's groups, which keep the training batches only."""
+        kept: dict[str, np.ndarray] = {}
+        arrays = dict(state.arrays)
+        groups = [f"block{b}" for b in range(1, num_blocks + 1)]
+        for new, old in enumerate(held_out):
+            for group in groups:
+                kept[f"{group}.{new}"] = state.group(group)[str(old)]
+            for name in ("wrap", "steps"):
+                kept[f"perm.{name}.{new}"] = state.group("perm")[f"{name}.{old}"]
+            kept[f"labels.{new}"] = labels[new]
+        if held_out[0] > 0:  # riding along: the training batches stay for the loss
+            for old in held_out:
+                for group in groups:
+                    del arrays[f"{group}.{old}"]
+                for name in ("wrap", "steps"):
+                    del arrays[f"perm.{name}.{old}"]
+        state = replace(state, arrays=arrays)
+        return replace(state, arrays=state.with_group(KEPT, kept))
 
     def _evaluation_reply(
         self, envelope: Envelope, logits: list[torch.Tensor], labels: list[np.ndarray]

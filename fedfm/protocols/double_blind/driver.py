@@ -3,9 +3,11 @@
 The same loop runs in-process (tests, benchmarks) and in a Flower ServerApp: setup once, then per
 round ``L + 1`` round trips to train (every client's messages go out together), with secure
 aggregation (the default) 4 round trips of SecAgg stages, aggregation through an
-:class:`Aggregator`, and ``L`` round trips to evaluate (every ``evaluate_every`` rounds and after
-the last; a round not evaluated records NaN accuracies; after a client's first evaluation one
-round trip, on the outputs it kept). Clients that fail or time out are logged
+:class:`Aggregator`, and one round trip to evaluate (every ``evaluate_every`` rounds and after
+the last; a round not evaluated records NaN accuracies) on the held-out outputs the client keeps:
+in the first evaluated round its held-out set rides along the training batches
+(:meth:`DoubleBlindServer.start`); a client that lost them is evaluated in full, ``L`` round
+trips. Clients that fail or time out are logged
 and leave the round; the round goes on while at least ``min_clients`` answer (and, under secure
 aggregation, at least two and as many as the SecAgg threshold needs). After every round the
 global adapter and head are saved; a run started again with the same settings resumes after the
@@ -199,13 +201,21 @@ def _phase(
     nodes: list[int],
     server_round: int,
     global_arrays: dict[str, np.ndarray],
+    with_evaluation: bool = False,
     **exchange: Any,
 ) -> tuple[list[ClientUpdate | EvaluationResult], int]:
-    """Start a train or evaluate round on every node that has enough data and run it through."""
+    """Start a train or evaluate round on every node that has enough data and run it through
+    (``with_evaluation``: held-out sets ride along the training, :meth:`DoubleBlindServer.
+    start`)."""
     requests = [
         request
         for node in nodes
-        if (request := server.start(kind, node, server_round, global_arrays)) is not None
+        if (
+            request := server.start(
+                kind, node, server_round, global_arrays, with_evaluation=with_evaluation
+            )
+        )
+        is not None
     ]
     return _exchange(server, requests=requests, **exchange)
 
@@ -400,6 +410,7 @@ def run_double_blind(
             active,
             server_round,
             state.global_arrays,
+            with_evaluation=config.evaluates(server_round),
             progress=progress_lines(server, f"{heading} train", log, progress_every),
             **phase,
         )

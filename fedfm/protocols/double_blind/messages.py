@@ -6,6 +6,8 @@
     round's batches packed into sets of ciphertexts (``batch_sizes``, ``set_sizes``); at
     ``l = 1`` the global adapter and head; at ``l = L`` the relative permutations of every batch
     (and, for evaluation, the encrypted labels permuted to ``pi_{L+1}``, packed the same way).
+    A ``train.block`` may carry the held-out set too (its last ``evaluation_batches``
+    batches, labels at ``l = L``), whose outputs the client keeps for ``evaluate.cached``.
     Reply for ``l < L``: the same sets decrypted and re-encrypted. For ``l = L``: in training,
     encrypted ``softmax`` and ``log_softmax`` of the logits; in evaluation, a confusion matrix.
 ``train.loss`` (server): encrypted mean cross-entropy and logit gradient per batch.
@@ -120,7 +122,9 @@ class BlockRequest:
     for any batch that fits one set of ciphertexts, :attr:`~fedfm.crypto.backend.Evaluator.
     samples_per_set`); ``batch_sizes`` gives every batch's rows, in order. Each batch keeps its
     own permutations (``wrap`` and ``steps``, one per batch); ``labels`` are packed like
-    ``batches``.
+    ``batches``. In training, the last ``evaluation_batches`` batches are the client's held-out
+    set riding along (every held-out sample once, as in an evaluation): the client keeps their
+    outputs, and the last block carries the labels of every batch.
     """
 
     message_type: str
@@ -135,6 +139,7 @@ class BlockRequest:
     wrap: list[np.ndarray] = field(default_factory=list)
     steps: list[np.ndarray] = field(default_factory=list)
     labels: list[EncryptedBatch] = field(default_factory=list)
+    evaluation_batches: int = 0
 
     def sets(self) -> list[list[int]]:
         """The batch indices of each set."""
@@ -158,6 +163,7 @@ class BlockRequest:
             "num_batches": len(self.batch_sizes),
             "num_sets": len(self.batches),
             "has_labels": bool(self.labels),
+            "evaluation_batches": self.evaluation_batches,
         }
         return Envelope(self.message_type, self.node_id, self.round, arrays, config)
 
@@ -171,6 +177,12 @@ class BlockRequest:
             raise ProtocolError(
                 f"{envelope.message_type}: block {block} of {num_blocks} with {count} batches "
                 f"in {num_sets} sets"
+            )
+        riding = envelope.config.get("evaluation_batches", 0)
+        if not isinstance(riding, int) or isinstance(riding, bool) or not 0 <= riding < count:
+            raise ProtocolError(
+                f"{envelope.message_type}: evaluation_batches {riding!r} is not a count below "
+                f"its {count} batches"
             )
         batch_sizes = _sizes(envelope, "batch_sizes", count)
         set_sizes = _sizes(envelope, "set_sizes", num_sets)
@@ -197,6 +209,7 @@ class BlockRequest:
             wrap=wrap,  # type: ignore[arg-type]
             steps=steps,  # type: ignore[arg-type]
             labels=unpack_batches(envelope, "labels", num_sets, load) if has_labels else [],
+            evaluation_batches=riding,
         )
         for packed in (request.batches, request.labels):
             for batch, members in zip(packed, request.sets(), strict=False):

@@ -10,7 +10,10 @@ fresh permutation ``pi_l`` and send it; the client re-encrypts and returns it. T
 packed into sets of ciphertexts (as many as one set holds, :attr:`~fedfm.crypto.backend.
 Evaluator.samples_per_set`): a block costs about the same for one batch as for a full set, and
 each batch keeps its own permutations (a set's permutation is block-diagonal). With the last
-block go the relative permutations. The client answers with encrypted ``softmax`` and
+block go the relative permutations. In the first evaluated round the client's held-out batches
+ride along in the same sets (:meth:`DoubleBlindServer.start`, ``with_evaluation``); the client
+keeps their outputs and every evaluation is one ``evaluate.cached`` round trip on them. The
+client answers with encrypted ``softmax`` and
 ``log_softmax`` of its logits (rows in order ``pi_{L+1}``); the server permutes its encrypted
 one-hot labels into the same order and returns the encrypted mean cross-entropy and logit
 gradient. What the server sees: ciphertexts, their sizes, the number of samples per client and
@@ -114,6 +117,9 @@ class _InFlight:
     refreshes: int = 0  # refresh round trips towards the next block message (progress lines)
     # an evaluation on the client's kept outputs: the global arrays, for a full one if needed
     kept_evaluation: dict[str, np.ndarray] | None = None
+    # held-out batches riding along a training round (the last ones of ``indices``, as rows of
+    # the joined upload); 0 once the client said it kept their outputs
+    evaluation_batches: int = 0
 
     def packed(self, per_batch: list[np.ndarray], offsets: bool = False) -> list[np.ndarray]:
         """Per-batch index arrays joined per set; with ``offsets`` each batch's (orders within
@@ -149,8 +155,23 @@ class ClientSession:
     num_eval: int
     order_key: int = -1
     in_flight: _InFlight | None = field(default=None)
-    # the client said it keeps the revealed outputs of its held-out set from a full evaluation
+    # the client said it keeps the revealed outputs of its held-out set (from a full
+    # evaluation or from a training round the held-out set rode along)
     evaluation_kept: bool = False
+    # images and labels of both uploads in one batch each, and the row where the held-out
+    # samples start (:meth:`~fedfm.crypto.backend.Evaluator.join`): made for the first round
+    # the held-out set rides along
+    joined: tuple[EncryptedBatch, EncryptedBatch, int] | None = None
+
+    def joined_uploads(self) -> tuple[EncryptedBatch, EncryptedBatch, int]:
+        """Training and held-out images, then labels, in one batch each; the held-out offset."""
+        if self.joined is None:
+            images, offset = self.evaluator.join(self.train_images, self.eval_images)
+            labels, label_offset = self.evaluator.join(self.train_labels, self.eval_labels)
+            if label_offset != offset:
+                raise InvariantError("images and labels of one upload join at different rows")
+            self.joined = (images, labels, offset)
+        return self.joined
 
 
 def balanced_accuracy(confusion: np.ndarray) -> float:
@@ -287,9 +308,20 @@ class DoubleBlindServer:
         return list(np.array_split(np.arange(total), total // n))
 
     def start(
-        self, kind: str, node_id: int, server_round: int, global_arrays: dict[str, np.ndarray]
+        self,
+        kind: str,
+        node_id: int,
+        server_round: int,
+        global_arrays: dict[str, np.ndarray],
+        *,
+        with_evaluation: bool = False,
     ) -> Envelope | None:
-        """Block 1 of a train or evaluate round; ``None`` if the client has too few samples."""
+        """Block 1 of a train or evaluate round; ``None`` if the client has too few samples.
+
+        ``with_evaluation`` (training only): unless the client already keeps its held-out
+        outputs, its held-out batches ride along in the training round's sets of ciphertexts
+        (a block costs about the same for one set whatever it holds), the client keeps their
+        outputs, and the round's evaluation is one ``evaluate.cached`` round trip."""
         session = self._session(node_id)
         indices = self._batches(kind, session)
         if indices is None:
@@ -313,6 +345,12 @@ class DoubleBlindServer:
                 {"num_blocks": self.num_blocks},
             )
         inputs = session.train_images if kind == "train" else session.eval_images
+        riding = 0
+        held_out = self._batches("evaluate", session) if kind == "train" else None
+        if with_evaluation and not session.evaluation_kept and held_out is not None:
+            inputs, _, offset = session.joined_uploads()
+            indices = [*indices, *(batch + offset for batch in held_out)]
+            riding = len(held_out)
         permutations = [
             draw_round_permutations(
                 self.num_blocks, len(batch), self.rng, permute=self.config.permute
@@ -320,7 +358,9 @@ class DoubleBlindServer:
             for batch in indices
         ]
         sets = pack_sets([len(batch) for batch in indices], session.evaluator.samples_per_set)
-        session.in_flight = _InFlight(kind, server_round, 0, indices, permutations, [], sets)
+        session.in_flight = _InFlight(
+            kind, server_round, 0, indices, permutations, [], sets, evaluation_batches=riding
+        )
         return self._advance(session, self._start_stage(node_id, session, inputs, global_arrays))
 
     def position(self, node_id: int) -> str:
@@ -421,12 +461,17 @@ class DoubleBlindServer:
         last = block == self.num_blocks
         views = [perms.client_view() for perms in flight.permutations] if last else []
         labels = []
-        if last and flight.kind == "evaluate":
+        if last and (flight.kind == "evaluate" or flight.evaluation_batches):
+            # every batch's labels in order pi_{L+1}; with a held-out set riding along, from the
+            # joined upload (the training rows' labels are the client's, as its gradient shows)
+            source = (
+                session.eval_labels if flight.kind == "evaluate" else session.joined_uploads()[1]
+            )
             rows = [
                 batch[perms.after_block(block + 1)]
                 for batch, perms in zip(flight.indices, flight.permutations, strict=True)
             ]
-            works = [evaluator.take(session.eval_labels, r) for r in flight.packed(rows)]
+            works = [evaluator.take(source, r) for r in flight.packed(rows)]
             labels = yield from self._refreshing(node_id, session, lockstep(works))
         flight.refreshes = 0
         request = BlockRequest(
@@ -442,6 +487,7 @@ class DoubleBlindServer:
             wrap=[view["wrap"] for view in views],
             steps=[view["steps"] for view in views],
             labels=labels,
+            evaluation_batches=flight.evaluation_batches,
         )
         return request.to_envelope()
 
@@ -490,6 +536,21 @@ class DoubleBlindServer:
             return self._advance(session, self._block_stage(reply.node_id, session, {}))
         if flight.kind == "evaluate":
             return self._evaluation_result(reply, session)
+        if flight.evaluation_batches:
+            # the held-out batches rode along: the client kept their outputs, and the loss is on
+            # the training batches only
+            if reply.config.get("kept") is not True:
+                raise ProtocolError(
+                    f"node {reply.node_id} did not keep the held-out outputs of round "
+                    f"{flight.round}"
+                )
+            session.evaluation_kept = True
+            count -= flight.evaluation_batches
+            flight.indices, flight.permutations = (
+                flight.indices[:count],
+                flight.permutations[:count],
+            )
+            flight.evaluation_batches = 0
         probs = unpack_batches(reply, "probs", count, session.evaluator.load)
         log_probs = unpack_batches(reply, "log_probs", count, session.evaluator.load)
         for p, log_p, batch in zip(probs, log_probs, flight.indices, strict=True):
@@ -570,4 +631,3 @@ class DoubleBlindServer:
             return self.sessions[node_id]
         except KeyError:
             raise ProtocolError(f"node {node_id} has not completed setup") from None
-
