@@ -83,7 +83,7 @@ from fedfm.crypto.params import (
     CkksParameters,
 )
 from fedfm.crypto.refresh import RefreshClient, RefreshServer, refresh_blobs
-from fedfm.crypto.seal_raw import SealIO, dumps, scratch_root, seal_bytes
+from fedfm.crypto.seal_raw import SealIO, dumps, scratch_prefix, scratch_root, seal_bytes
 from fedfm.crypto.workers import (
     configured_workers,
     discard_pool,
@@ -587,7 +587,7 @@ class CkksEvaluator(Evaluator):
         if pool is not None:
             # Workers evaluate independent segments (Circuit.spread) from this public context,
             # read once per worker from a file: too large to send with every job.
-            handle, path = tempfile.mkstemp(prefix="fedfm-public-", dir=scratch_root())
+            handle, path = tempfile.mkstemp(prefix=scratch_prefix("public"), dir=scratch_root())
             with os.fdopen(handle, "wb") as file:
                 file.write(public_context)
             weakref.finalize(self, _remove_quietly, path, os.getpid())

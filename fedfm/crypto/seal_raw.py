@@ -294,6 +294,53 @@ def scratch_root() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def scratch_prefix(kind: str) -> str:
+    """``fedfm-<kind>-<pid>-``: the owner's pid in a scratch name lets a later process remove
+    what a killed one left (:func:`sweep_stale_scratch`)."""
+    return f"fedfm-{kind}-{os.getpid()}-"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale_scratch(root: str | None = None) -> int:
+    """Remove the scratch files and folders (:func:`scratch_prefix`) in ``root`` (default
+    :func:`scratch_root`) whose owner process no longer runs; return how many. A process killed
+    before its finalizers ran (a site stopped with SIGKILL, a timed-out worker) leaves them, and
+    in ``/dev/shm`` a public context file holds its 17-200 MB of RAM until a reboot. Names
+    without an owner pid, other users' entries and a pid reused by a running process are left."""
+    folder = root if root is not None else scratch_root()
+    if folder is None:
+        return 0
+    removed = 0
+    for path in Path(folder).glob("fedfm-*-*-*"):
+        owner = path.name.split("-")[2]
+        if not owner.isdigit() or int(owner) == os.getpid() or _running(int(owner)):
+            continue
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:  # another user's, or gone meanwhile
+            continue
+        removed += 1
+    return removed
+
+
+@functools.cache
+def _swept_once() -> None:
+    """Sweep stale scratch once per process, before its first scratch entry."""
+    sweep_stale_scratch()
+
+
 def _remove_folder(folder: str, owner_pid: int) -> None:
     # A forked worker inherits SealIO objects; collecting them there must not delete the
     # parent's scratch folder.
@@ -322,7 +369,8 @@ class SealIO:
     def __init__(self, context: Any, *, direct: bool | None = None) -> None:
         self.seal_context = seal_context_of(context)
         self.direct = direct_memory_available() if direct is None else direct
-        self._folder = tempfile.mkdtemp(prefix="fedfm-seal-", dir=scratch_root())
+        _swept_once()
+        self._folder = tempfile.mkdtemp(prefix=scratch_prefix("seal"), dir=scratch_root())
         self._path = str(Path(self._folder) / "object")
         self._finalizer = weakref.finalize(self, _remove_folder, self._folder, os.getpid())
         self._evaluator = sealapi.Evaluator(self.seal_context)
