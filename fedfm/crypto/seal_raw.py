@@ -294,10 +294,21 @@ def scratch_root() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+@functools.cache
+def pid_namespace() -> str:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; ``0`` where Linux's
+    ``/proc`` is missing): a pid names a process only inside its namespace."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
 def scratch_prefix(kind: str) -> str:
-    """``fedfm-<kind>-<pid>-``: the owner's pid in a scratch name lets a later process remove
-    what a killed one left (:func:`sweep_stale_scratch`)."""
-    return f"fedfm-{kind}-{os.getpid()}-"
+    """``fedfm-<kind>-<pid namespace>-<pid>-``: the owner's pid (and the namespace it is valid
+    in) in a scratch name lets a later process remove what a killed one left
+    (:func:`sweep_stale_scratch`)."""
+    return f"fedfm-{kind}-{pid_namespace()}-{os.getpid()}-"
 
 
 def _running(pid: int) -> bool:
@@ -314,14 +325,20 @@ def sweep_stale_scratch(root: str | None = None) -> int:
     """Remove the scratch files and folders (:func:`scratch_prefix`) in ``root`` (default
     :func:`scratch_root`) whose owner process no longer runs; return how many. A process killed
     before its finalizers ran (a site stopped with SIGKILL, a timed-out worker) leaves them, and
-    in ``/dev/shm`` a public context file holds its 17-200 MB of RAM until a reboot. Names
-    without an owner pid, other users' entries and a pid reused by a running process are left."""
+    in ``/dev/shm`` a public context file holds its 17-200 MB of RAM until a reboot.
+
+    Only entries made in this process's PID namespace are judged: containers sharing one
+    ``/dev/shm`` (``--ipc=host``) see other namespaces' pids as dead or as someone else. Names
+    without a namespace and an owner pid, other users' entries and a pid reused by a running
+    process are left."""
     folder = root if root is not None else scratch_root()
     if folder is None:
         return 0
     removed = 0
-    for path in Path(folder).glob("fedfm-*-*-*"):
-        owner = path.name.split("-")[2]
+    namespace = pid_namespace()
+    for path in Path(folder).glob(f"fedfm-*-{namespace}-*-*"):
+        parts = path.name.split("-")
+        owner = parts[3] if len(parts) > 4 and parts[2] == namespace else ""
         if not owner.isdigit() or int(owner) == os.getpid() or _running(int(owner)):
             continue
         try:

@@ -18,7 +18,7 @@ from fedfm.approx import calibrate
 from fedfm.approx.specs import ApproxConfig
 from fedfm.crypto import CKKS_8192_REFRESH, ModelGeometry, run_locally, workers
 from fedfm.crypto.ckks import CkksBackend
-from fedfm.crypto.seal_raw import SealIO, scratch_prefix, sweep_stale_scratch
+from fedfm.crypto.seal_raw import SealIO, pid_namespace, scratch_prefix, sweep_stale_scratch
 from fedfm.crypto.workers import WORKERS_VARIABLE, configured_workers, discard_pool
 from fedfm.errors import ConfigError
 from fedfm.models.fhe_vit import to_fhe_friendly
@@ -139,27 +139,33 @@ def test_scratch_folders_survive_a_forked_child_that_drops_them() -> None:
 
 def test_scratch_a_killed_process_left_is_swept_and_a_live_ones_kept(tmp_path) -> None:
     """A process killed before its finalizers ran leaves its scratch (in /dev/shm: RAM); the
-    next process to make scratch removes entries whose owner pid no longer runs."""
+    next process to make scratch removes entries whose owner pid no longer runs, in its own PID
+    namespace only (another namespace's pids mean other processes)."""
     killed = multiprocessing.get_context("fork").Process(target=os.getpid)
     killed.start()
     killed.join()
     dead, alive = killed.pid, os.getppid()
-    stale_file = tmp_path / f"fedfm-public-{dead}-abc123"
-    stale_folder = tmp_path / f"fedfm-seal-{dead}-def456"
-    live_file = tmp_path / f"fedfm-public-{alive}-ghi789"
+    namespace = pid_namespace()
+    other = str(int(namespace) + 1)
+    stale_file = tmp_path / f"fedfm-public-{namespace}-{dead}-abc123"
+    stale_folder = tmp_path / f"fedfm-seal-{namespace}-{dead}-def456"
+    live_file = tmp_path / f"fedfm-public-{namespace}-{alive}-ghi789"
     own_folder = tmp_path / f"{scratch_prefix('seal')}jkl012"
+    other_namespace = tmp_path / f"fedfm-public-{other}-{dead}-mno345"  # a container's
     unnamed = tmp_path / "fedfm-public-xyz_01"  # made before names carried the owner's pid
+    older = tmp_path / f"fedfm-public-{dead}-pqr678"  # pid without a namespace: left
     stale_file.write_bytes(b"context")
     (stale_folder / "object").parent.mkdir()
     (stale_folder / "object").write_bytes(b"ciphertext")
-    for path in (live_file, unnamed):
+    for path in (live_file, unnamed, other_namespace, older):
         path.write_bytes(b"context")
     own_folder.mkdir()
     assert sweep_stale_scratch(str(tmp_path)) == 2
     assert not stale_file.exists() and not stale_folder.exists()
-    assert live_file.exists() and own_folder.exists() and unnamed.exists()
+    for kept in (live_file, own_folder, unnamed, other_namespace, older):
+        assert kept.exists(), kept.name
     io = SealIO(CkksBackend(CKKS_8192_REFRESH, workers=0).create_key_owner()._seal)
-    assert Path(io._folder).name.startswith(f"fedfm-seal-{os.getpid()}-")
+    assert Path(io._folder).name.startswith(f"fedfm-seal-{namespace}-{os.getpid()}-")
     io.close()
 
 
