@@ -643,6 +643,27 @@ def _paper(args: argparse.Namespace) -> None:
     )
 
 
+def _paper_text(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from fedfm.experiments.paper import load_table
+    from fedfm.experiments.text_adaptation import run_text_table
+
+    spec = load_table(args.table, args.config, seeds=args.seeds, rounds=args.rounds)
+    if args.methods is not None:
+        spec = replace(spec, methods=tuple(m for m in spec.methods if m in args.methods))
+    run_text_table(
+        spec,
+        student_dir=args.student_dir,
+        workdir=args.cells_dir,
+        results_dir=args.results_dir,
+        model=args.model,
+        command=args.command_line,
+        progress=not args.no_progress,
+        run_missing=not args.kept_only,
+    )
+
+
 def decoder_source(args: argparse.Namespace):  # -> DecoderSource
     """The embedded decoder ``fedfm train-llm``'s options describe (with no options: the one
     ``load_decoder()`` loads)."""
@@ -1008,6 +1029,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     paper.add_argument("--results-dir", type=Path, default=Path("results"))
     paper.set_defaults(handler=_paper)
+
+    paper_text = commands.add_parser(
+        "paper-text",
+        help="linear probing, ours and full fine-tuning of the FHE-friendly MiniLM on the "
+        "docstring task (results/text_adaptation.*; resumes cell by cell)",
+    )
+    paper_text.add_argument(
+        "--model",
+        default="minilm",
+        help="'minilm' (packaged, offline) or a BERT/DistilBERT name or folder on this machine",
+    )
+    paper_text.add_argument(
+        "--config", type=Path, default=None, help="experiment TOML (fedfm/experiments/paper.toml)"
+    )
+    paper_text.add_argument("--table", default="text", help="the config's text table (text)")
+    paper_text.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
+    paper_text.add_argument("--rounds", type=int, default=None, help="override the rounds")
+    paper_text.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=("linear-probe", "full-finetune", "ours"),
+        help="run only these methods (default: the table's)",
+    )
+    paper_text.add_argument(
+        "--student-dir",
+        type=Path,
+        default=Path("runs/text"),
+        help="distilled students are kept here (distilled when missing)",
+    )
+    paper_text.add_argument(
+        "--cells-dir",
+        type=Path,
+        default=Path("runs/paper-text"),
+        help="finished cells are kept here; a re-run skips them",
+    )
+    paper_text.add_argument("--results-dir", type=Path, default=Path("results"))
+    paper_text.add_argument(
+        "--kept-only",
+        action="store_true",
+        help="run nothing: write the table from the finished cells (a long run so far)",
+    )
+    paper_text.add_argument("--no-progress", action="store_true", help="one line per cell")
+    paper_text.set_defaults(handler=_paper_text)
 
     train_llm = commands.add_parser(
         "train-llm",

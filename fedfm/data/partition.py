@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from fedfm.data.dataset import ImageDataset
 from fedfm.errors import ConfigError, DataError, InvariantError
@@ -12,8 +14,23 @@ from fedfm.errors import ConfigError, DataError, InvariantError
 SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "natural")
 
 
+class LabelledSamples(Protocol):
+    """What partitioning reads of a dataset (images, texts): labels, natural ids, a name."""
+
+    @property
+    def labels(self) -> torch.Tensor: ...
+
+    @property
+    def groups(self) -> np.ndarray | None: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def __len__(self) -> int: ...
+
+
 def partition(
-    dataset: ImageDataset,
+    dataset: LabelledSamples,
     *,
     num_partitions: int,
     scheme: str = "iid",
@@ -140,7 +157,11 @@ def describe_partitions(
 
 
 def _check_arguments(
-    dataset: ImageDataset, num_partitions: int, scheme: str, alpha: float, min_partition_size: int
+    dataset: LabelledSamples,
+    num_partitions: int,
+    scheme: str,
+    alpha: float,
+    min_partition_size: int,
 ) -> None:
     if scheme not in SCHEMES:
         raise ConfigError(

@@ -43,6 +43,12 @@ class TokenizedTexts:
     input_ids: torch.Tensor
     labels: torch.Tensor
     num_classes: int
+    name: str = "texts"
+
+    @property
+    def groups(self) -> None:
+        """No natural ids (:func:`fedfm.data.partition.partition` offers iid and dirichlet)."""
+        return None
 
     def __post_init__(self) -> None:
         count = len(self.texts)

@@ -21,11 +21,14 @@ the teacher's weights before distillation.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -99,6 +102,20 @@ class TextDistillRun:
             raise ConfigError(f"distill_texts must be >= 1, got {self.distill_texts}")
         if self.head_c <= 0:
             raise ConfigError(f"head_c must be > 0, got {self.head_c}")
+
+
+def task_splits(run: TextDistillRun, tokenizer: Any) -> TextSplits:
+    """The tokenized docstring task of ``run`` (its split sizes and seed): the texts its
+    teacher, student and any later adaptation of that student see."""
+    return load_text_task(
+        tokenizer,
+        max_tokens=run.max_tokens,
+        seed=run.seed,
+        aux_per_class=run.aux_per_class,
+        pool_per_class=run.pool_per_class,
+        test_per_class=run.test_per_class,
+        public_size=len(TASK_FAMILIES) * run.aux_per_class,
+    )
 
 
 @torch.no_grad()
@@ -208,15 +225,7 @@ def run_text_distillation(
     load_at_start = list(os.getloadavg())
     approx = run.approx.build()
     encoder, tokenizer = load_text_encoder(run.model)
-    splits = load_text_task(
-        tokenizer,
-        max_tokens=run.max_tokens,
-        seed=run.seed,
-        aux_per_class=run.aux_per_class,
-        pool_per_class=run.pool_per_class,
-        test_per_class=run.test_per_class,
-        public_size=len(TASK_FAMILIES) * run.aux_per_class,
-    )
+    splits = task_splits(run, tokenizer)
     log(
         f"[fedfm] docstring task: {len(splits.classes)} families, D_aux={len(splits.aux)} "
         f"pool={len(splits.pool)} test={len(splits.test)} public={len(splits.public)}, "
@@ -306,3 +315,55 @@ def run_text_distillation(
         f"{exact_scores.accuracy:.4f}, undistilled polynomial {undistilled_scores.accuracy:.4f}"
     )
     return report, student
+
+
+def _run_digest(run: TextDistillRun) -> str:
+    text = json.dumps(asdict(run), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def kept_student_path(run: TextDistillRun, folder: Path) -> Path:
+    """Where :func:`kept_text_student` keeps the student of ``run``."""
+    return folder / f"text-student-{_run_digest(run)}.pt"
+
+
+def kept_text_student(
+    run: TextDistillRun, folder: Path, *, progress: bool = False, log: Callable[[str], None] = print
+) -> tuple[FheTextClassifier, dict[str, Any]]:
+    """The student of ``run`` and its report, distilled once and kept in ``folder``.
+
+    The file is named by a digest of ``run`` (another split, seed or approximation distils
+    again); it holds the student's weights and calibrated buffers (GELU channel scales, division
+    bounds), so the student is rebuilt from the encoder and loaded. A file that does not match
+    the rebuilt model is refused (:class:`ConfigError`), never half loaded.
+    """
+    path = kept_student_path(run, folder)
+    if path.exists():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        report = json.loads(saved["report"])
+        encoder, tokenizer = load_text_encoder(run.model)
+        student = to_fhe_text(
+            encoder,
+            run.approx.build(),
+            num_classes=len(report["classes"]),
+            pad_token_id=int(tokenizer.pad_token_id),
+            max_tokens=run.max_tokens,
+        )
+        try:
+            student.load_state_dict(saved["state"])
+        except RuntimeError as error:
+            raise ConfigError(
+                f"{path} does not hold this run's student ({error}); remove it"
+            ) from None
+        log(f"[fedfm] text student read from {path}")
+        return student.eval(), report
+    report, student = run_text_distillation(run, progress=progress, log=log)
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    # the report as JSON text: numpy scalars would not load under weights_only
+    torch.save(
+        {"state": student.state_dict(), "report": json.dumps(report, default=float)}, temporary
+    )
+    os.replace(temporary, path)
+    log(f"[fedfm] text student kept in {path}")
+    return student.eval(), report

@@ -140,16 +140,20 @@ def trainable_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _average(states: list[dict[str, torch.Tensor]], weights: list[int]) -> dict[str, torch.Tensor]:
+def weighted_average(
+    states: list[dict[str, torch.Tensor]], weights: list[int]
+) -> dict[str, torch.Tensor]:
     """Eq. 7: ``sum_k N_k / N * state_k`` for floating tensors; others taken from the first."""
     total = float(sum(weights))
     averaged = {}
     for name, first in states[0].items():
-        if first.is_floating_point():
-            pairs = zip(states, weights, strict=True)
-            averaged[name] = sum(state[name] * (weight / total) for state, weight in pairs)
-        else:
+        if not first.is_floating_point():
             averaged[name] = first.clone()
+            continue
+        value = torch.zeros_like(first)
+        for state, weight in zip(states, weights, strict=True):
+            value += state[name] * (weight / total)
+        averaged[name] = value
     return averaged
 
 
@@ -262,7 +266,7 @@ def run_full_finetune(
             losses.append(float(np.mean(step_losses)))
         if not states:
             raise ConfigError(f"no client has {n} training samples (the batch size)")
-        global_state = _average(states, weights)
+        global_state = weighted_average(states, weights)
         model.load_state_dict(global_state)
         confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
         evaluated = 0

@@ -304,13 +304,13 @@ def summarize(spec: TableSpec, cells: dict[tuple[str, str, int], dict[str, Any]]
     return rows
 
 
-def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
+def write_atomically(path: Path, payload: dict[str, Any]) -> None:
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False))
     os.replace(temporary, path)
 
 
-def _kept_cell(path: Path, spec: TableSpec, setting: Setting) -> dict[str, Any] | None:
+def kept_cell(path: Path, spec: TableSpec, setting: Setting) -> dict[str, Any] | None:
     """The finished cell at ``path`` if it was run with these settings (else it runs again)."""
     if not path.exists():
         return None
@@ -353,7 +353,7 @@ def run_table(
         where = (
             f"[fedfm] {spec.name} cell {number}/{len(plan)}: {method}, {setting.label}, seed {seed}"
         )
-        kept = _kept_cell(path, spec, setting)
+        kept = kept_cell(path, spec, setting)
         if kept is not None:
             cells[(method, setting.label, seed)] = kept
             log(f"{where}: done before, read from {path}")
@@ -371,7 +371,7 @@ def run_table(
             log=lambda _line: None,
             device=target,
         )
-        _write_atomically(path, record)
+        write_atomically(path, record)
         cells[(method, setting.label, seed)] = record
         log(
             f"{where}: test balanced accuracy {record['test_balanced_accuracy']:.4f} "

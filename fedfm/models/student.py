@@ -161,9 +161,7 @@ def save_student(path: Path, student: FheViT, spec: ModelSpec, settings: ApproxS
 
 def load_student(path: str | Path) -> FheViT:
     """Rebuild a distilled student from ``student.pt`` (weights and calibrated bounds)."""
-    payload = read_checkpoint(
-        path, expected_format=STUDENT_FORMAT, retired=RETIRED_STUDENT_FORMATS
-    )
+    payload = read_checkpoint(path, expected_format=STUDENT_FORMAT, retired=RETIRED_STUDENT_FORMATS)
     try:
         spec = ModelSpec(**payload["model"])
         approx = ApproxSettings(**payload["approx"]).build()

@@ -6,7 +6,8 @@ in the server's order ``pi_l``, so it chains the relative permutations (see ``pe
 ``H_0' = B_L pi_1`` via ``wrap``; after block ``l``, ``H_l`` (order ``pi_l``) moves to order
 ``pi_{l+1}`` via ``steps[l-1]``. The head reads the class token of ``H_L`` in the label order
 ``pi_{L+1}``. With ``rank=0`` there is no adapter: the head reads ``B_L`` (linear probing in the
-same harness).
+same harness). A text encoder's head reads the mean over a text's real tokens instead of the class
+token (``pooling="mean"``, with the key mask in label order), as the encoder's own head does.
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ from torch import nn
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.models.device import to_numpy
 
+POOLINGS: tuple[str, ...] = ("class-token", "mean")
+
 
 class SideAdapterHead(nn.Module):
-    """Parallel adapters for ``num_blocks`` blocks of width ``dim`` plus a linear head."""
+    """Parallel adapters for ``num_blocks`` blocks of width ``dim`` plus a linear head on the
+    class token (``pooling="class-token"``, the ViT) or on the mean over real tokens
+    (``"mean"``, a text encoder)."""
 
     def __init__(
-        self, *, num_blocks: int, dim: int, num_classes: int, rank: int = 8, alpha: float = 1.0
+        self,
+        *,
+        num_blocks: int,
+        dim: int,
+        num_classes: int,
+        rank: int = 8,
+        alpha: float = 1.0,
+        pooling: str = "class-token",
     ) -> None:
         super().__init__()
         if num_blocks < 1 or dim < 1 or num_classes < 2 or rank < 0:
@@ -34,7 +46,10 @@ class SideAdapterHead(nn.Module):
                 f"adapter needs num_blocks >= 1, dim >= 1, num_classes >= 2, rank >= 0; got "
                 f"{num_blocks}, {dim}, {num_classes}, {rank}"
             )
+        if pooling not in POOLINGS:
+            raise ConfigError(f"unknown pooling {pooling!r}; choose one of {list(POOLINGS)}")
         self.num_blocks, self.dim, self.rank, self.alpha = num_blocks, dim, rank, alpha
+        self.pooling = pooling
         self.down = nn.ModuleList(nn.Linear(dim, rank) for _ in range(num_blocks if rank else 0))
         self.up = nn.ModuleList(nn.Linear(rank, dim) for _ in range(num_blocks if rank else 0))
         for up in self.up:  # zero-initialised: training starts from linear probing
@@ -44,9 +59,14 @@ class SideAdapterHead(nn.Module):
         self.head = nn.Linear(dim, num_classes)
 
     def forward(
-        self, block_outputs: Sequence[torch.Tensor], wrap: torch.Tensor, steps: torch.Tensor
+        self,
+        block_outputs: Sequence[torch.Tensor],
+        wrap: torch.Tensor,
+        steps: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits in label order ``pi_{L+1}``; ``block_outputs[l-1]`` is ``B_l`` in ``pi_l``."""
+        """Logits in label order ``pi_{L+1}``; ``block_outputs[l-1]`` is ``B_l`` in ``pi_l``.
+        ``key_mask`` (``True`` at real tokens, label order) is required by mean pooling."""
         if len(block_outputs) != self.num_blocks or len(steps) != self.num_blocks:
             raise ProtocolError(
                 f"expected {self.num_blocks} block outputs and steps, got {len(block_outputs)} "
@@ -60,7 +80,16 @@ class SideAdapterHead(nn.Module):
                 update = self.up[index](F.gelu(self.down[index](block + hidden)))
                 hidden = (self.alpha * update + hidden)[steps[index]]
             final = hidden
-        return self.head(self.norm(final[:, 0]))
+        if self.pooling == "class-token":
+            return self.head(self.norm(final[:, 0]))
+        if key_mask is None or key_mask.shape != final.shape[:2]:
+            raise ProtocolError(
+                f"mean pooling needs a key mask of shape {tuple(final.shape[:2])}, got "
+                f"{None if key_mask is None else tuple(key_mask.shape)}"
+            )
+        weights = key_mask.unsqueeze(-1).to(final.dtype)
+        pooled = (final * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        return self.head(self.norm(pooled))
 
     def get_arrays(self) -> dict[str, np.ndarray]:
         """Parameters as numpy arrays (what is aggregated)."""

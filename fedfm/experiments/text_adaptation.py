@@ -1,0 +1,614 @@
+"""``fedfm paper-text``: the paper's comparison (spec ``001`` Tables 2-3) on a real pretrained
+text encoder: linear probing, ours and full fine-tuning of the FHE-friendly MiniLM on the
+docstring task (:mod:`fedfm.data.text_task`), which MiniLM never saw.
+
+The student is the model owner's: the packaged MiniLM with a logistic-regression head fitted on
+``D_aux`` (the teacher), made FHE-friendly and distilled on unlabelled standard-library
+docstrings (:func:`fedfm.distillation.text.kept_text_student`, distilled once and kept). The data
+owners' pool (:data:`TEXT_SPLIT`: 100 texts per family, 700) is split across K clients with
+flwr-datasets' partitioners (:func:`fedfm.data.partition.partition`); the metric is balanced
+accuracy on the 420 held-out test texts after every round (the global model, plaintext).
+
+Methods, each on the same clients, the same seeded batch draws and the same schedule
+(``rounds``, learning-rate decay, batches of ``batch_size``, ``batches_per_round`` per client):
+
+``ours``
+    Rank-8 parallel side adapters on every block's output and a head on the mean over real
+    tokens, trained with the double-blind protocol's client rule (one SGD step with momentum per
+    round on the mean loss of the round's batches, momentum kept by the client, lr 0.05) and
+    aggregated as secure aggregation does (the sample-weighted mean of the updates).
+``linear_probe``
+    The same with rank 0: the head alone on the last block's pooled output.
+``full_finetune``
+    Plaintext FedAvg of the whole student and a fresh head, one SGD step with momentum per batch
+    (lr 0.0025, the paper's ratio to the adapters' rate, as :mod:`.baselines`).
+
+**What runs.** The double-blind protocol does not carry text yet (the server's CKKS blocks
+evaluate the ViT only), so ``ours`` and ``linear_probe`` here train on the frozen student's
+block outputs computed in plaintext: the same numbers the protocol's ``simulate`` backend hands
+the client (its permutations only reorder rows, and its update is the plaintext SGD step, as
+``test_protocol_update_equals_plaintext_sgd_step`` checks for the ViT). No encryption, no
+messages; the results say so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfm.data.partition import partition
+from fedfm.data.text_task import TextSplits, TokenizedTexts
+from fedfm.distillation.text import (
+    TextDistillRun,
+    kept_student_path,
+    kept_text_student,
+    task_splits,
+)
+from fedfm.errors import ConfigError
+from fedfm.experiments.baselines import (
+    DEFAULT_FINETUNE_LR,
+    trainable_parameters,
+    weighted_average,
+)
+from fedfm.experiments.paper import Setting, TableSpec, cell_file, kept_cell, write_atomically
+from fedfm.experiments.results import write_results
+from fedfm.models.fhe_text import FheTextClassifier, load_text_encoder
+from fedfm.protocols.double_blind.adapter import SideAdapterHead
+from fedfm.protocols.double_blind.config import DoubleBlindConfig
+from fedfm.protocols.double_blind.server import balanced_accuracy
+
+TEXT_TABLE = "text"
+# The methods' keys in results/text_adaptation.json, in the paper's row order.
+TEXT_METHODS: dict[str, str] = {
+    "linear-probe": "linear_probe",
+    "full-finetune": "full_finetune",
+    "ours": "ours",
+}
+# The text task's split for this table: 20 labelled D_aux texts per family for the teacher's head
+# (as fedfm distill-text), 100 pool texts per family for the data owners (700: K = 20 clients
+# hold 35 each on average, two batches of 16), 60 test texts per family (420: one text is 0.24
+# points). The smallest family has 325 docstrings.
+TEXT_SPLIT: dict[str, int] = {"aux_per_class": 20, "pool_per_class": 100, "test_per_class": 60}
+BATCHES_PER_ROUND = 4
+ENCODE_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class TextFeatures:
+    """The frozen student's block outputs on some texts: ``blocks`` ``(N, L, T, D)``, the key
+    mask ``(N, T)`` and the labels ``(N,)``."""
+
+    blocks: torch.Tensor
+    key_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def rows(self, index: np.ndarray) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        selector = torch.from_numpy(index)
+        chosen = self.blocks[selector]
+        return list(chosen.unbind(1)), self.key_mask[selector], self.labels[selector]
+
+
+@torch.no_grad()
+def block_features(student: FheTextClassifier, texts: TokenizedTexts) -> TextFeatures:
+    """Every block's output of the frozen ``student`` on ``texts`` (what the server's blocks
+    compute for a data owner; padding positions hold values no pooled output reads)."""
+    student.eval()
+    outputs = []
+    for chunk in texts.input_ids.split(ENCODE_CHUNK):
+        key_mask = student.key_mask(chunk)
+        hidden = student.embed(chunk)
+        per_block = []
+        for index in range(student.num_blocks):
+            hidden = student.block(index, hidden, key_mask)
+            per_block.append(hidden)
+        outputs.append(torch.stack(per_block, dim=1))
+    return TextFeatures(torch.cat(outputs), student.key_mask(texts.input_ids), texts.labels.clone())
+
+
+def _balanced(labels: np.ndarray, predictions: np.ndarray, classes: int) -> float:
+    confusion = np.zeros((classes, classes), dtype=np.int64)
+    np.add.at(confusion, (labels, predictions), 1)
+    return balanced_accuracy(confusion)
+
+
+def round_draws(
+    rng: np.random.Generator, parts: Sequence[np.ndarray], batch_size: int, batches: int
+) -> list[tuple[int, list[np.ndarray]]]:
+    """One round's batches per client (pool indices, drawn without replacement as the
+    protocol's server draws); clients with fewer texts than a batch sit out."""
+    draws = []
+    for client, part in enumerate(parts):
+        if len(part) < batch_size:
+            continue
+        count = min(batches, len(part) // batch_size)
+        chosen = part[rng.choice(len(part), size=count * batch_size, replace=False)]
+        draws.append((client, np.split(chosen, count)))
+    return draws
+
+
+def _momentum_step(
+    parameters: list[nn.Parameter], velocities: list[torch.Tensor], lr: float, momentum: float
+) -> None:
+    with torch.no_grad():
+        for parameter, velocity in zip(parameters, velocities, strict=True):
+            if parameter.grad is None:
+                continue
+            velocity.mul_(momentum).add_(parameter.grad)
+            parameter.sub_(lr * velocity)
+
+
+def train_adapter(
+    pool: TextFeatures,
+    test: TextFeatures,
+    parts: Sequence[np.ndarray],
+    config: DoubleBlindConfig,
+    *,
+    num_classes: int,
+    seed: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """``ours`` (``config.rank`` > 0) or linear probing (rank 0) with the protocol's client rule;
+    the per-round test balanced accuracy and the final one."""
+    num_blocks, dim = pool.blocks.shape[1], pool.blocks.shape[3]
+    torch.manual_seed(seed)
+    model = SideAdapterHead(
+        num_blocks=num_blocks if config.rank else 1,
+        dim=dim,
+        num_classes=num_classes,
+        rank=config.rank,
+        alpha=config.alpha,
+        pooling="mean",
+    )
+    taps = list(range(num_blocks)) if config.rank else [num_blocks - 1]
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    velocities: dict[int, list[torch.Tensor]] = {}
+    rng = np.random.default_rng(seed)
+    per_round, losses, trained = [], [], []
+
+    def logits_of(features: TextFeatures, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, key_mask, labels = features.rows(index)
+        order = torch.arange(len(index))
+        taken = [blocks[t] for t in taps]
+        return model(taken, order, order.repeat(len(taken), 1), key_mask), labels
+
+    for server_round in range(1, config.rounds + 1):
+        states, weights, round_losses = [], [], []
+        for client, batches in round_draws(rng, parts, config.batch_size, config.batches_per_round):
+            model.load_state_dict(global_state)
+            model.zero_grad()
+            loss = torch.stack(
+                [F.cross_entropy(*logits_of(pool, batch)) for batch in batches]
+            ).mean()
+            loss.backward()
+            params = list(model.parameters())
+            buffers = velocities.setdefault(client, [torch.zeros_like(p) for p in params])
+            _momentum_step(
+                params, buffers, config.lr * config.lr_factor(server_round), config.momentum
+            )
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            weights.append(sum(len(b) for b in batches))
+            round_losses.append(float(loss.detach()))
+        if not states:
+            raise ConfigError(f"no client holds {config.batch_size} texts (one batch)")
+        global_state = weighted_average(states, weights)
+        model.load_state_dict(global_state)
+        with torch.no_grad():
+            logits, labels = logits_of(test, np.arange(len(test.labels)))
+        per_round.append(_balanced(labels.numpy(), logits.argmax(1).numpy(), num_classes))
+        losses.append(float(np.average(round_losses, weights=weights)))
+        trained.append(len(states))
+        log(
+            f"[fedfm]   round {server_round}/{config.rounds}: train loss {losses[-1]:.4f}, "
+            f"test balanced accuracy {per_round[-1]:.4f}"
+        )
+    return {
+        "test_balanced_accuracy": per_round[-1],
+        "test_balanced_accuracy_per_round": per_round,
+        "train_loss_per_round": losses,
+        "clients_trained": trained,
+        "trainable_parameters": trainable_parameters(model),
+    }
+
+
+def _by_length(
+    batches: list[np.ndarray], lengths: np.ndarray, order: np.random.Generator
+) -> list[np.ndarray]:
+    """The round's drawn texts regrouped into batches of the same sizes by token count, the
+    batches in a random order (length bucketing: a batch is computed at its longest text's
+    length; the round's texts and number of steps are the same)."""
+    chosen = np.concatenate(batches)
+    ordered = chosen[np.argsort(lengths[chosen], kind="stable")]
+    grouped = np.split(ordered, np.cumsum([len(b) for b in batches])[:-1])
+    return [grouped[i] for i in order.permutation(len(grouped))]
+
+
+@torch.no_grad()
+def _predict(model: FheTextClassifier, texts: TokenizedTexts) -> np.ndarray:
+    """Predicted classes, computed in chunks of texts of similar length (the model trims the
+    all-padding columns of a chunk; padding never changes a text's output)."""
+    model.eval()
+    order = torch.argsort(model.key_mask(texts.input_ids).sum(dim=1))
+    predicted = torch.empty(len(order), dtype=torch.long)
+    for chunk in order.split(ENCODE_CHUNK):
+        predicted[chunk] = model(model.trimmed(texts.input_ids[chunk])).argmax(1)
+    return predicted.numpy()
+
+
+def finetune_text(
+    student: FheTextClassifier,
+    pool: TokenizedTexts,
+    test: TokenizedTexts,
+    parts: Sequence[np.ndarray],
+    config: DoubleBlindConfig,
+    *,
+    seed: int,
+    lr: float = DEFAULT_FINETUNE_LR,
+    momentum: float = 0.9,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Plaintext FedAvg of a copy of ``student`` with a fresh (seeded) head: one SGD step with
+    momentum per batch, on the texts :func:`train_adapter` draws for the same seed (each client's
+    round regrouped by length, :func:`_by_length`)."""
+    model = copy.deepcopy(student)
+    torch.manual_seed(seed)
+    model.classifier = nn.Linear(student.hidden_size, pool.num_classes)
+    lengths = model.key_mask(pool.input_ids).sum(dim=1).numpy()
+    global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    velocities: dict[int, list[torch.Tensor]] = {}
+    rng = np.random.default_rng(seed)
+    per_round, losses, trained = [], [], []
+    for server_round in range(1, config.rounds + 1):
+        states, weights, round_losses = [], [], []
+        for client, batches in round_draws(rng, parts, config.batch_size, config.batches_per_round):
+            model.load_state_dict(global_state)
+            model.train()
+            params = [p for p in model.parameters() if p.requires_grad]
+            buffers = velocities.setdefault(client, [torch.zeros_like(p) for p in params])
+            # the batch order from its own stream: the draws stay those of the other methods
+            shuffle = np.random.default_rng((seed, server_round, client))
+            for batch in _by_length(batches, lengths, shuffle):
+                selector = torch.from_numpy(batch)
+                input_ids = model.trimmed(pool.input_ids[selector])
+                loss = F.cross_entropy(model(input_ids), pool.labels[selector])
+                model.zero_grad()
+                loss.backward()
+                _momentum_step(params, buffers, lr * config.lr_factor(server_round), momentum)
+                round_losses.append(float(loss.detach()))
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            weights.append(sum(len(b) for b in batches))
+        if not states:
+            raise ConfigError(f"no client holds {config.batch_size} texts (one batch)")
+        global_state = weighted_average(states, weights)
+        model.load_state_dict(global_state)
+        per_round.append(_balanced(test.labels.numpy(), _predict(model, test), test.num_classes))
+        losses.append(float(np.mean(round_losses)))
+        trained.append(len(states))
+        log(
+            f"[fedfm]   round {server_round}/{config.rounds}: train loss {losses[-1]:.4f}, "
+            f"test balanced accuracy {per_round[-1]:.4f}"
+        )
+    return {
+        "test_balanced_accuracy": per_round[-1],
+        "test_balanced_accuracy_per_round": per_round,
+        "train_loss_per_round": losses,
+        "clients_trained": trained,
+        "trainable_parameters": trainable_parameters(model),
+    }
+
+
+def distill_run(setting: Setting, model: str = "minilm") -> TextDistillRun:
+    """The student a setting adapts: :data:`TEXT_SPLIT`, distilled on ``setting.distill_data``."""
+    return TextDistillRun(
+        model=model,
+        distill_data=setting.distill_data,
+        ablation=False,
+        aux_per_class=TEXT_SPLIT["aux_per_class"],
+        pool_per_class=TEXT_SPLIT["pool_per_class"],
+        test_per_class=TEXT_SPLIT["test_per_class"],
+    )
+
+
+def text_splits(run: TextDistillRun) -> TextSplits:
+    """The tokenized task the student of ``run`` was distilled beside (same split and seed)."""
+    _, tokenizer = load_text_encoder(run.model)
+    return task_splits(run, tokenizer)
+
+
+def table_config(spec: TableSpec, setting: Setting, method: str) -> DoubleBlindConfig:
+    """The protocol's settings of one cell (linear probing: rank 0)."""
+    config = DoubleBlindConfig(
+        rounds=spec.rounds,
+        batch_size=setting.batch_size,
+        batches_per_round=BATCHES_PER_ROUND,
+        lr_decay=spec.lr_decay,
+    )
+    return replace(config, rank=0) if method == "linear-probe" else config
+
+
+def run_text_cell(
+    method: str,
+    setting: Setting,
+    seed: int,
+    spec: TableSpec,
+    student: FheTextClassifier,
+    splits: TextSplits,
+    features: tuple[TextFeatures, TextFeatures] | None,
+    *,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One method on one federation with one seed; the record kept in the cell's file."""
+    started = time.perf_counter()
+    parts = partition(
+        splits.pool,
+        num_partitions=setting.clients,
+        scheme=setting.partition,
+        alpha=setting.alpha,
+        seed=seed,
+    )
+    config = table_config(spec, setting, method)
+    if method == "full-finetune":
+        result = finetune_text(student, splits.pool, splits.test, parts, config, seed=seed, log=log)
+    else:
+        if features is None:
+            raise ConfigError(f"{method} needs the student's block outputs")
+        pool, test = features
+        result = train_adapter(
+            pool, test, parts, config, num_classes=len(splits.classes), seed=seed, log=log
+        )
+    return {
+        "method": method,
+        "setting": asdict(setting),
+        "seed": seed,
+        "rounds": spec.rounds,
+        "lr_decay": spec.lr_decay,
+        "partition_sizes": [len(part) for part in parts],
+        **result,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize_text(
+    spec: TableSpec, cells: dict[tuple[str, str, int], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The table's rows (method x setting) and, per setting, each method's summary under its
+    JSON key (:data:`TEXT_METHODS`) with whether ours beat linear probing by more than the sum
+    of their standard deviations (over the same seeds, two at least). A method without finished
+    cells in a setting is left out; ``seeds`` says which seeds an entry averages."""
+    rows, by_setting = [], {}
+    for setting in spec.settings:
+        summary: dict[str, Any] = {}
+        for method in spec.methods:
+            seeds = [seed for seed in spec.seeds if (method, setting.label, seed) in cells]
+            if not seeds:
+                continue
+            done = [cells[(method, setting.label, seed)] for seed in seeds]
+            mean, std = _mean_std([c["test_balanced_accuracy"] for c in done])
+            entry = {
+                "seeds": seeds,
+                "balanced_accuracy_mean": mean,
+                "balanced_accuracy_std": std,
+                "balanced_accuracy_per_seed": [c["test_balanced_accuracy"] for c in done],
+                "trainable_parameters": done[0]["trainable_parameters"],
+                "clients_trained_per_round": statistics.fmean(
+                    n for c in done for n in c["clients_trained"]
+                ),
+            }
+            summary[TEXT_METHODS[method]] = entry
+            rows.append(
+                {
+                    "method": method,
+                    "setting": setting.label,
+                    "balanced_accuracy": f"{100 * mean:.2f} ± {100 * std:.2f}",
+                    **entry,
+                }
+            )
+        ours, probe = summary.get("ours"), summary.get("linear_probe")
+        if ours and probe and ours["seeds"] == probe["seeds"] and len(ours["seeds"]) > 1:
+            margin = ours["balanced_accuracy_mean"] - probe["balanced_accuracy_mean"]
+            summary["ours_minus_linear_probe"] = margin
+            summary["ours_beats_linear_probe"] = bool(
+                margin > ours["balanced_accuracy_std"] + probe["balanced_accuracy_std"]
+            )
+        by_setting[setting.label] = summary
+    return rows, by_setting
+
+
+def plot_text_curves(spec: TableSpec, cells: list[dict[str, Any]], results_dir: Path) -> Path:
+    """Test balanced accuracy per round, mean over the seeds, one panel per setting:
+    ``results/text_adaptation.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(
+        1, len(spec.settings), figsize=(4 * len(spec.settings), 3.6), squeeze=False
+    )
+    for axis, setting in zip(axes[0], spec.settings, strict=True):
+        for method in spec.methods:
+            curves = [
+                c["test_balanced_accuracy_per_round"]
+                for c in cells
+                if c["method"] == method and c["setting"]["label"] == setting.label
+            ]
+            if not curves:  # not run yet
+                continue
+            mean = 100 * np.mean(np.asarray(curves, dtype=float), axis=0)
+            axis.plot(range(1, len(mean) + 1), mean, label=method)
+        axis.set_title(setting.label)
+        axis.set_xlabel("round")
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test balanced accuracy (%)")
+    axes[0][0].legend()
+    figure.tight_layout()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / "text_adaptation.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def run_text_table(
+    spec: TableSpec,
+    *,
+    student_dir: Path,
+    workdir: Path,
+    results_dir: Path,
+    model: str = "minilm",
+    command: str | None = None,
+    progress: bool = True,
+    run_missing: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, Any]]:
+    """Every cell of ``spec`` (finished ones read back from ``workdir``), then
+    ``results/text_adaptation.{json,md,png}``; returns the per-setting summaries.
+
+    ``run_missing=False`` runs nothing: the results summarise the finished cells (each entry
+    names its seeds; the JSON lists the missing cells), a table of a long run so far."""
+    for method in spec.methods:
+        if method not in TEXT_METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose from {list(TEXT_METHODS)}")
+    folder = workdir / spec.name
+    folder.mkdir(parents=True, exist_ok=True)
+    students: dict[str, tuple[FheTextClassifier, dict[str, Any], TextSplits]] = {}
+    features: dict[str, tuple[TextFeatures, TextFeatures]] = {}
+    plan = [(m, s, seed) for s in spec.settings for m in spec.methods for seed in spec.seeds]
+    cells: dict[tuple[str, str, int], dict[str, Any]] = {}
+    missing: list[dict[str, Any]] = []
+    quiet: Callable[[str], None] = log if progress else (lambda _line: None)
+    for number, (method, setting, seed) in enumerate(plan, start=1):
+        path = cell_file(folder, method, setting, seed)
+        where = f"[fedfm] text cell {number}/{len(plan)}: {method}, {setting.label}, seed {seed}"
+        kept = kept_cell(path, spec, setting)
+        if kept is not None:
+            cells[(method, setting.label, seed)] = kept
+            log(f"{where}: done before, read from {path}")
+            continue
+        if not run_missing:
+            missing.append({"method": method, "setting": setting.label, "seed": seed})
+            continue
+        source = setting.distill_data
+        if source not in students:
+            run = distill_run(setting, model)
+            student, report = kept_text_student(run, student_dir, progress=progress, log=log)
+            students[source] = (student, report, text_splits(run))
+        student, _, splits = students[source]
+        if method != "full-finetune" and source not in features:
+            started = time.perf_counter()
+            features[source] = (
+                block_features(student, splits.pool),
+                block_features(student, splits.test),
+            )
+            log(
+                f"[fedfm] the student's block outputs on {len(splits.pool)} pool and "
+                f"{len(splits.test)} test texts ({time.perf_counter() - started:.0f} s)"
+            )
+        log(f"{where} ...")
+        record = run_text_cell(
+            method, setting, seed, spec, student, splits, features.get(source), log=quiet
+        )
+        write_atomically(path, record)
+        cells[(method, setting.label, seed)] = record
+        log(
+            f"{where}: test balanced accuracy {record['test_balanced_accuracy']:.4f} "
+            f"({record['seconds']:.0f} s)"
+        )
+    if not cells:
+        raise ConfigError(f"no finished cells of table {spec.name!r} in {folder}")
+    if missing:
+        log(f"[fedfm] {len(missing)} of {len(plan)} cells not run yet: the table shows the rest")
+    rows, by_setting = summarize_text(spec, cells)
+    reports = {
+        source: _student_summary(report) for source, (_, report, _) in students.items()
+    } or _reports_of_kept(spec, student_dir, model)
+    beaten = [s for s in by_setting.values() if s.get("ours_beats_linear_probe")]
+    write_results(
+        results_dir,
+        "text_adaptation",
+        title=spec.title,
+        description=(
+            f"Balanced accuracy (%) on the held-out test texts after {spec.rounds} rounds, mean ± "
+            f"std over seeds {list(spec.seeds)} (partition, batch draws and initialisation). "
+            f"Model: the FHE-friendly distilled {model} (students: "
+            + "; ".join(
+                f"{source}: teacher {r['teacher_balanced_accuracy']:.4f}, student "
+                f"{r['student_balanced_accuracy']:.4f} balanced accuracy"
+                for source, r in reports.items()
+            )
+            + f"). Pool {TEXT_SPLIT['pool_per_class']} texts per family, batches of "
+            f"{sorted({s.batch_size for s in spec.settings})}, {BATCHES_PER_ROUND} per client and "
+            f"round, learning-rate decay x0.1 at 50% and 80%: {spec.lr_decay}. Ours and linear "
+            "probing: the protocol's client rule on the frozen student's block outputs in "
+            "plaintext (the double-blind protocol does not carry text yet: no encryption, no "
+            "messages); full fine-tuning: plaintext FedAvg of the whole student. Ours beats "
+            f"linear probing by more than the sum of the standard deviations in {len(beaten)} of "
+            f"{len(by_setting)} settings."
+            + (
+                f" Not run yet: {len(missing)} of {len(plan)} cells (see missing_cells)."
+                if missing
+                else ""
+            )
+        ),
+        rows=rows,
+        columns=[
+            ("method", "method"),
+            ("setting", "setting"),
+            ("balanced_accuracy", "bal. acc. (%)"),
+            ("seeds", "seeds"),
+            ("trainable_parameters", "trainable params"),
+            ("clients_trained_per_round", "clients trained / round"),
+        ],
+        extra={
+            "backend": "plaintext (torch; the protocol's training rule, no encryption)",
+            "missing_cells": missing,
+            "settings": by_setting,
+            "students": reports,
+            "split": TEXT_SPLIT,
+            "cells": list(cells.values()),
+            "spec": asdict(spec),
+        },
+        command=command,
+    )
+    path = plot_text_curves(spec, list(cells.values()), results_dir)
+    log(f"[fedfm] wrote {results_dir / 'text_adaptation.json'}, .md and {path}")
+    return by_setting
+
+
+def _student_summary(report: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "teacher_accuracy",
+        "teacher_balanced_accuracy",
+        "student_accuracy",
+        "student_balanced_accuracy",
+        "accuracy_gap_points",
+        "split_sizes",
+        "approximations",
+        "distill_data",
+    )
+    return {key: report[key] for key in keys if key in report}
+
+
+def _reports_of_kept(spec: TableSpec, student_dir: Path, model: str) -> dict[str, Any]:
+    """The students' reports when every cell was read back (no student was loaded)."""
+    reports = {}
+    for setting in spec.settings:
+        path = kept_student_path(distill_run(setting, model), student_dir)
+        if path.exists():
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            reports[setting.distill_data] = _student_summary(json.loads(saved["report"]))
+    return reports

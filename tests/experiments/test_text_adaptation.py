@@ -1,0 +1,283 @@
+"""``fedfm paper-text`` (fedfm.experiments.text_adaptation) on a tiny random BERT: the methods
+train, the table resumes cell by cell and writes its keys; the mean-pooling adapter reads only real
+tokens; a kept student is read back, a foreign one refused."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from fedfm.approx import ApproxConfig
+from fedfm.cli import main
+from fedfm.data.partition import partition
+from fedfm.data.text_task import TextSplits, TokenizedTexts
+from fedfm.distillation import text as text_distillation
+from fedfm.distillation.text import TextDistillRun, kept_student_path, kept_text_student
+from fedfm.errors import ConfigError, ProtocolError
+from fedfm.experiments import text_adaptation
+from fedfm.experiments.paper import Setting, TableSpec, load_table
+from fedfm.experiments.text_adaptation import (
+    TextFeatures,
+    block_features,
+    round_draws,
+    run_text_table,
+    table_config,
+    train_adapter,
+)
+from fedfm.models.fhe_text import to_fhe_text
+from fedfm.protocols.double_blind.adapter import SideAdapterHead
+from tests.models.test_fhe_text import PAD, tiny_bert
+
+CLASSES = 3
+
+
+def tiny_student() -> object:
+    approx = ApproxConfig.exact()
+    return to_fhe_text(tiny_bert(), approx, num_classes=CLASSES, pad_token_id=PAD).eval()
+
+
+def tiny_texts(count: int, seed: int) -> TokenizedTexts:
+    """Texts whose class decides their first real token (learnable), right-padded to 12."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 50, (count, 12), generator=generator)
+    labels = torch.arange(count) % CLASSES
+    ids[:, 0] = labels + 1
+    for row in range(count):
+        ids[row, 3 + row % 8 :] = PAD
+    return TokenizedTexts([f"text {i}" for i in range(count)], ids, labels, CLASSES)
+
+
+def tiny_splits() -> TextSplits:
+    pool, test = tiny_texts(96, 1), tiny_texts(30, 2)
+    return TextSplits(("a", "b", "c"), 12, pool, pool, test, pool)
+
+
+def separable_features(count: int, seed: int) -> TextFeatures:
+    """Block outputs (N, 2 blocks, 5 tokens, 8) whose real tokens carry the class."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.arange(count) % CLASSES
+    blocks = torch.randn(count, 2, 5, 8, generator=generator)
+    blocks[:, :, :, :CLASSES] += 3.0 * torch.nn.functional.one_hot(labels, 8)[:, None, None, :3]
+    key_mask = torch.ones(count, 5, dtype=torch.bool)
+    key_mask[::2, 3:] = False
+    return TextFeatures(blocks, key_mask, labels)
+
+
+def test_mean_pooling_reads_only_real_tokens_and_needs_the_key_mask() -> None:
+    torch.manual_seed(0)
+    adapter = SideAdapterHead(num_blocks=2, dim=8, num_classes=3, rank=2, pooling="mean")
+    with torch.no_grad():
+        for up in adapter.up:  # a non-zero adapter, so the side path matters too
+            up.weight.normal_()
+    features = separable_features(4, 0)
+    blocks = list(features.blocks.unbind(1))
+    order = torch.arange(4)
+    logits = adapter(blocks, order, order.repeat(2, 1), features.key_mask)
+    changed = [b.clone() for b in blocks]
+    for b in changed:
+        b[~features.key_mask] = 1e3  # padding positions: any value
+    again = adapter(changed, order, order.repeat(2, 1), features.key_mask)
+    torch.testing.assert_close(logits, again)
+    with pytest.raises(ProtocolError, match="mean pooling needs a key mask of shape"):
+        adapter(blocks, order, order.repeat(2, 1))
+    with pytest.raises(ConfigError, match="unknown pooling 'max'"):
+        SideAdapterHead(num_blocks=1, dim=8, num_classes=3, pooling="max")
+
+
+def test_block_features_are_what_the_student_computes() -> None:
+    student = tiny_student()
+    texts = tiny_texts(10, 3)
+    features = block_features(student, texts)
+    assert features.blocks.shape == (10, 2, 12, 16)
+    with torch.no_grad():
+        pooled = student.pool(features.blocks[:, -1], features.key_mask)
+        torch.testing.assert_close(student.classifier(pooled), student(texts.input_ids))
+
+
+def test_round_draws_sit_out_small_clients_and_never_repeat_a_text() -> None:
+    parts = [np.arange(0, 40), np.arange(40, 50), np.arange(50, 90)]
+    draws = round_draws(np.random.default_rng(0), parts, batch_size=16, batches=4)
+    assert [client for client, _ in draws] == [0, 2]  # client 1 holds 10 < 16 texts
+    for client, batches in draws:
+        assert len(batches) == 2 and all(len(b) == 16 for b in batches)  # 40 // 16
+        chosen = np.concatenate(batches)
+        assert len(set(chosen.tolist())) == 32 and set(chosen) <= set(parts[client].tolist())
+
+
+def test_ours_and_linear_probing_learn_with_the_protocols_rule() -> None:
+    pool, test = separable_features(120, 1), separable_features(30, 2)
+    parts = [np.arange(0, 60), np.arange(60, 120)]
+    spec = TableSpec("t", "t", ("linear-probe", "ours"), (), (0,), 8, False)
+    setting = Setting("K=2", 2, "iid")
+    results = {}
+    for method in ("linear-probe", "ours"):
+        config = table_config(spec, setting, method)
+        results[method] = train_adapter(
+            pool, test, parts, config, num_classes=CLASSES, seed=0, log=lambda _: None
+        )
+    probe, ours = results["linear-probe"], results["ours"]
+    assert probe["trainable_parameters"] == 8 * 2 + 8 * 3 + 3  # LayerNorm and head
+    assert ours["trainable_parameters"] > probe["trainable_parameters"]  # plus two adapters
+    for result in (probe, ours):
+        losses = result["train_loss_per_round"]
+        assert losses[-1] < losses[0] and result["test_balanced_accuracy"] > 0.9
+        assert result["clients_trained"] == [2] * 8
+    again = train_adapter(
+        pool,
+        test,
+        parts,
+        table_config(spec, setting, "ours"),
+        num_classes=CLASSES,
+        seed=0,
+        log=lambda _: None,
+    )
+    assert again["train_loss_per_round"] == ours["train_loss_per_round"]  # seeded
+
+
+def test_texts_are_partitioned_with_flwr_datasets() -> None:
+    texts = tiny_texts(60, 0)
+    parts = partition(texts, num_partitions=3, scheme="dirichlet", alpha=0.5, seed=0)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(60))
+
+
+def _patched_table(monkeypatch, student, splits) -> list[str]:
+    loaded = []
+
+    def fake_student(run, folder, **_):
+        loaded.append(run.distill_data)
+        report = {"teacher_balanced_accuracy": 0.5, "student_balanced_accuracy": 0.4}
+        return student, report
+
+    monkeypatch.setattr(text_adaptation, "kept_text_student", fake_student)
+    monkeypatch.setattr(text_adaptation, "text_splits", lambda run: splits)
+    return loaded
+
+
+def test_the_table_runs_every_method_resumes_and_writes_its_keys(tmp_path, monkeypatch) -> None:
+    student, splits = tiny_student(), tiny_splits()
+    loaded = _patched_table(monkeypatch, student, splits)
+    spec = replace(
+        load_table("text", seeds=[0, 1], rounds=2),
+        settings=(Setting("K=2 alpha=1", 2, "dirichlet", 1.0, 16, "stdlib"),),
+    )
+    summary = run_text_table(
+        spec, student_dir=tmp_path / "s", workdir=tmp_path / "cells", results_dir=tmp_path / "r"
+    )
+    report = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())
+    setting = report["settings"]["K=2 alpha=1"]
+    assert set(setting) >= {"linear_probe", "ours", "full_finetune", "ours_beats_linear_probe"}
+    for key in ("linear_probe", "ours", "full_finetune"):
+        entry = setting[key]
+        assert len(entry["balanced_accuracy_per_seed"]) == 2
+        assert 0.0 <= entry["balanced_accuracy_mean"] <= 1.0 and entry["trainable_parameters"] > 0
+    assert summary["K=2 alpha=1"]["ours"] == setting["ours"]
+    assert "plaintext" in report["backend"] and (tmp_path / "r" / "text_adaptation.png").exists()
+    assert loaded == ["stdlib"]
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a finished cell ran again")
+
+    monkeypatch.setattr(text_adaptation, "train_adapter", refuse)
+    monkeypatch.setattr(text_adaptation, "finetune_text", refuse)
+    lines: list[str] = []
+    run_text_table(
+        spec,
+        student_dir=tmp_path / "s",
+        workdir=tmp_path / "cells",
+        results_dir=tmp_path / "r2",
+        log=lines.append,
+    )
+    assert sum("done before" in line for line in lines) == 6
+    again = json.loads((tmp_path / "r2" / "text_adaptation.json").read_text())
+    assert again["settings"] == report["settings"]
+
+
+def test_kept_only_summarises_the_finished_cells_and_lists_the_rest(tmp_path, monkeypatch) -> None:
+    student, splits = tiny_student(), tiny_splits()
+    _patched_table(monkeypatch, student, splits)
+    spec = replace(
+        load_table("text", seeds=[0, 1], rounds=2),
+        settings=(Setting("K=2 alpha=1", 2, "dirichlet", 1.0, 16, "stdlib"),),
+    )
+    with pytest.raises(ConfigError, match="no finished cells of table 'text'"):
+        run_text_table(
+            spec, student_dir=tmp_path, workdir=tmp_path / "cells", results_dir=tmp_path / "r",
+            run_missing=False,
+        )  # fmt: skip
+    run_text_table(
+        replace(spec, methods=("linear-probe", "ours"), seeds=(0,)),
+        student_dir=tmp_path, workdir=tmp_path / "cells", results_dir=tmp_path / "r",
+    )  # fmt: skip
+    run_text_table(
+        spec, student_dir=tmp_path, workdir=tmp_path / "cells", results_dir=tmp_path / "r",
+        run_missing=False,
+    )  # fmt: skip
+    report = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())
+    setting = report["settings"]["K=2 alpha=1"]
+    assert setting["ours"]["seeds"] == [0] and setting["linear_probe"]["seeds"] == [0]
+    assert "full_finetune" not in setting
+    assert "ours_beats_linear_probe" not in setting  # one seed: no standard deviation
+    assert len(report["missing_cells"]) == 4 and "Not run yet: 4 of 6" in report["description"]
+
+
+def test_unknown_method_is_refused_before_any_cell(tmp_path) -> None:
+    spec = replace(load_table("text"), methods=("ours", "prompt-tuning"))
+    with pytest.raises(ConfigError, match="unknown method 'prompt-tuning'"):
+        run_text_table(spec, student_dir=tmp_path, workdir=tmp_path, results_dir=tmp_path)
+    assert not (tmp_path / "text").exists()
+
+
+def test_the_command_filters_methods_and_rounds(monkeypatch, tmp_path) -> None:
+    seen = []
+    monkeypatch.setattr(
+        text_adaptation, "run_text_table", lambda spec, **kw: seen.append((spec, kw))
+    )
+    assert main(["paper-text", "--methods", "ours", "linear-probe", "--rounds", "3",
+                 "--seeds", "4", "--results-dir", str(tmp_path)]) == 0  # fmt: skip
+    spec, options = seen[0]
+    assert spec.methods == ("linear-probe", "ours") and spec.rounds == 3 and spec.seeds == (4,)
+    assert [s.label for s in spec.settings] == [
+        "K=5 alpha=100", "K=5 alpha=1", "K=5 alpha=0.1", "K=20 alpha=1"
+    ]  # fmt: skip
+    assert options["results_dir"] == tmp_path and options["run_missing"]
+    assert main(["paper-text", "--kept-only"]) == 0
+    assert not seen[1][1]["run_missing"]
+
+
+def test_a_kept_student_is_read_back_and_a_foreign_one_refused(tmp_path, monkeypatch) -> None:
+    run = TextDistillRun()
+    student = to_fhe_text(tiny_bert(), run.approx.build(), num_classes=3, pad_token_id=PAD)
+    with torch.no_grad():
+        student.classifier.weight.add_(1.0)  # differs from a fresh build
+        for module in student.modules():
+            if hasattr(module, "input_bound"):
+                module.input_bound.fill_(7.0)  # calibrated buffers travel with the weights
+    report = {"classes": ["a", "b", "c"], "student_accuracy": np.float64(0.5)}
+    calls = []
+
+    def fake_distillation(run, **_):
+        calls.append(run)
+        return report, student
+
+    tokenizer = SimpleNamespace(pad_token_id=PAD)
+    monkeypatch.setattr(text_distillation, "run_text_distillation", fake_distillation)
+    monkeypatch.setattr(text_distillation, "load_text_encoder", lambda _m: (tiny_bert(), tokenizer))
+    kept_text_student(run, tmp_path, log=lambda _: None)
+    assert kept_student_path(run, tmp_path).exists() and len(calls) == 1
+    second, read = kept_text_student(run, tmp_path, log=lambda _: None)
+    assert len(calls) == 1 and read == {"classes": ["a", "b", "c"], "student_accuracy": 0.5}
+    expected, loaded = student.state_dict(), second.state_dict()
+    assert set(expected) == set(loaded)
+    for name, value in expected.items():
+        torch.testing.assert_close(loaded[name], value, equal_nan=True, msg=name)
+    assert kept_student_path(replace(run, seed=1), tmp_path) != kept_student_path(run, tmp_path)
+    saved = torch.load(kept_student_path(run, tmp_path), weights_only=True)
+    saved["state"]["classifier.weight"] = torch.zeros(5, 16)  # five classes: not this model
+    torch.save(saved, kept_student_path(run, tmp_path))
+    with pytest.raises(ConfigError, match="does not hold this run's student"):
+        kept_text_student(run, tmp_path, log=lambda _: None)
