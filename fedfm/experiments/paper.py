@@ -167,7 +167,10 @@ def _block_outputs(student: FheViT, images: torch.Tensor, blocks: list[int]) -> 
     return outputs
 
 
-def _balanced(labels: np.ndarray, predictions: np.ndarray, classes: int) -> float:
+def prediction_balanced_accuracy(
+    labels: np.ndarray, predictions: np.ndarray, classes: int
+) -> float:
+    """The paper's metric (mean per-class recall) of ``predictions`` against ``labels``."""
     confusion = np.zeros((classes, classes), dtype=np.int64)
     np.add.at(confusion, (labels, predictions), 1)
     return balanced_accuracy(confusion)
@@ -195,7 +198,9 @@ def adapter_test_accuracy(
         outputs = _block_outputs(student, test.images.to(device), blocks)
         order = torch.arange(len(test.images), device=device)  # no permutation: in place
         logits = adapter(outputs, order, order.repeat(len(blocks), 1))
-    return _balanced(test.labels.numpy(), to_numpy(logits.argmax(1)), test.num_classes)
+    return prediction_balanced_accuracy(
+        test.labels.numpy(), to_numpy(logits.argmax(1)), test.num_classes
+    )
 
 
 def run_cell(
@@ -237,7 +242,9 @@ def run_cell(
         with torch.no_grad():
             model = model.eval().to(device)
             predictions = to_numpy(model(splits.test.images.to(device)).argmax(1))
-        test_accuracy = _balanced(splits.test.labels.numpy(), predictions, splits.test.num_classes)
+        test_accuracy = prediction_balanced_accuracy(
+            splits.test.labels.numpy(), predictions, splits.test.num_classes
+        )
         parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     else:
         result = run_adaptation(

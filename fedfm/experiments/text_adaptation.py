@@ -61,12 +61,18 @@ from fedfm.experiments.baselines import (
     trainable_parameters,
     weighted_average,
 )
-from fedfm.experiments.paper import Setting, TableSpec, cell_file, kept_cell, write_atomically
+from fedfm.experiments.paper import (
+    Setting,
+    TableSpec,
+    cell_file,
+    kept_cell,
+    prediction_balanced_accuracy,
+    write_atomically,
+)
 from fedfm.experiments.results import write_results
 from fedfm.models.fhe_text import FheTextClassifier, load_text_encoder
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
-from fedfm.protocols.double_blind.server import balanced_accuracy
 
 TEXT_TABLE = "text"
 # The methods' keys in results/text_adaptation.json, in the paper's row order.
@@ -114,12 +120,6 @@ def block_features(student: FheTextClassifier, texts: TokenizedTexts) -> TextFea
             per_block.append(hidden)
         outputs.append(torch.stack(per_block, dim=1))
     return TextFeatures(torch.cat(outputs), student.key_mask(texts.input_ids), texts.labels.clone())
-
-
-def _balanced(labels: np.ndarray, predictions: np.ndarray, classes: int) -> float:
-    confusion = np.zeros((classes, classes), dtype=np.int64)
-    np.add.at(confusion, (labels, predictions), 1)
-    return balanced_accuracy(confusion)
 
 
 def round_draws(
@@ -205,7 +205,9 @@ def train_adapter(
         model.load_state_dict(global_state)
         with torch.no_grad():
             logits, labels = logits_of(test, np.arange(len(test.labels)))
-        per_round.append(_balanced(labels.numpy(), logits.argmax(1).numpy(), num_classes))
+        per_round.append(
+            prediction_balanced_accuracy(labels.numpy(), logits.argmax(1).numpy(), num_classes)
+        )
         losses.append(float(np.average(round_losses, weights=weights)))
         trained.append(len(states))
         log(
@@ -291,7 +293,11 @@ def finetune_text(
             raise ConfigError(f"no client holds {config.batch_size} texts (one batch)")
         global_state = weighted_average(states, weights)
         model.load_state_dict(global_state)
-        per_round.append(_balanced(test.labels.numpy(), _predict(model, test), test.num_classes))
+        per_round.append(
+            prediction_balanced_accuracy(
+                test.labels.numpy(), _predict(model, test), test.num_classes
+            )
+        )
         losses.append(float(np.mean(round_losses)))
         trained.append(len(states))
         log(
