@@ -74,7 +74,6 @@ from fedfm.models.fhe_text import FheTextClassifier, load_text_encoder
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 
-TEXT_TABLE = "text"
 # The methods' keys in results/text_adaptation.json, in the paper's row order.
 TEXT_METHODS: dict[str, str] = {
     "linear-probe": "linear_probe",
@@ -500,8 +499,10 @@ def run_text_table(
     for number, (method, setting, seed) in enumerate(plan, start=1):
         path = cell_file(folder, method, setting, seed)
         where = f"[fedfm] text cell {number}/{len(plan)}: {method}, {setting.label}, seed {seed}"
+        # a cell counts only for the student it adapted (another model or split runs again)
+        student_file = kept_student_path(distill_run(setting, model), student_dir).name
         kept = kept_cell(path, spec, setting)
-        if kept is not None:
+        if kept is not None and kept.get("student") == student_file:
             cells[(method, setting.label, seed)] = kept
             log(f"{where}: done before, read from {path}")
             continue
@@ -528,6 +529,7 @@ def run_text_table(
         record = run_text_cell(
             method, setting, seed, spec, student, splits, features.get(source), log=quiet
         )
+        record["student"] = student_file
         write_atomically(path, record)
         cells[(method, setting.label, seed)] = record
         log(

@@ -195,6 +195,12 @@ def test_the_table_runs_every_method_resumes_and_writes_its_keys(tmp_path, monke
     assert sum("done before" in line for line in lines) == 6
     again = json.loads((tmp_path / "r2" / "text_adaptation.json").read_text())
     assert again["settings"] == report["settings"]
+    with pytest.raises(AssertionError, match="a finished cell ran again"):
+        # the same cells for another model's student do not count
+        run_text_table(
+            spec, student_dir=tmp_path / "s", workdir=tmp_path / "cells",
+            results_dir=tmp_path / "r3", model="bert-base-uncased", log=lines.append,
+        )  # fmt: skip
 
 
 def test_kept_only_summarises_the_finished_cells_and_lists_the_rest(tmp_path, monkeypatch) -> None:
