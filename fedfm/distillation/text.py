@@ -339,8 +339,11 @@ def kept_text_student(
     """
     path = kept_student_path(run, folder)
     if path.exists():
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        report = json.loads(saved["report"])
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            report = json.loads(saved["report"])
+        except Exception as error:  # torch.load fails in many ways on a damaged file
+            raise ConfigError(f"{path} is not a kept text student ({error}); remove it") from None
         encoder, tokenizer = load_text_encoder(run.model)
         student = to_fhe_text(
             encoder,

@@ -287,3 +287,7 @@ def test_a_kept_student_is_read_back_and_a_foreign_one_refused(tmp_path, monkeyp
     torch.save(saved, kept_student_path(run, tmp_path))
     with pytest.raises(ConfigError, match="does not hold this run's student"):
         kept_text_student(run, tmp_path, log=lambda _: None)
+    kept_student_path(run, tmp_path).write_bytes(b"truncated")
+    with pytest.raises(ConfigError, match="is not a kept text student"):
+        kept_text_student(run, tmp_path, log=lambda _: None)
+    assert len(calls) == 1  # a bad file is reported, never silently distilled over
