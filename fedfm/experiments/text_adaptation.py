@@ -445,7 +445,7 @@ def plot_text_curves(spec: TableSpec, cells: list[dict[str, Any]], results_dir: 
         1, len(spec.settings), figsize=(4 * len(spec.settings), 3.6), squeeze=False
     )
     for axis, setting in zip(axes[0], spec.settings, strict=True):
-        for method in spec.methods:
+        for number, method in enumerate(spec.methods):
             curves = [
                 c["test_balanced_accuracy_per_round"]
                 for c in cells
@@ -454,12 +454,15 @@ def plot_text_curves(spec: TableSpec, cells: list[dict[str, Any]], results_dir: 
             if not curves:  # not run yet
                 continue
             mean = 100 * np.mean(np.asarray(curves, dtype=float), axis=0)
-            axis.plot(range(1, len(mean) + 1), mean, label=method)
+            label = f"{method} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
+            # one colour per method in every panel, whichever methods a panel lacks
+            axis.plot(range(1, len(mean) + 1), mean, label=label, color=f"C{number}")
         axis.set_title(setting.label)
         axis.set_xlabel("round")
         axis.grid(alpha=0.3)
     axes[0][0].set_ylabel("test balanced accuracy (%)")
-    axes[0][0].legend()
+    for axis in axes[0]:
+        axis.legend(fontsize="small")
     figure.tight_layout()
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / "text_adaptation.png"
