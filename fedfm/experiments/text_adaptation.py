@@ -38,7 +38,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,35 @@ def block_features(student: FheTextClassifier, texts: TokenizedTexts) -> TextFea
     return TextFeatures(torch.cat(outputs), student.key_mask(texts.input_ids), texts.labels.clone())
 
 
+@dataclass
+class _History:
+    """A cell's per-round test balanced accuracy, training loss and clients trained."""
+
+    accuracy: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    trained: list[int] = field(default_factory=list)
+
+    def add(self, accuracy: float, loss: float, trained: int) -> None:
+        self.accuracy.append(accuracy)
+        self.loss.append(loss)
+        self.trained.append(trained)
+
+    def line(self, server_round: int, rounds: int) -> str:
+        return (
+            f"[fedfm]   round {server_round}/{rounds}: train loss {self.loss[-1]:.4f}, "
+            f"test balanced accuracy {self.accuracy[-1]:.4f}"
+        )
+
+    def record(self, model: nn.Module) -> dict[str, Any]:
+        return {
+            "test_balanced_accuracy": self.accuracy[-1],
+            "test_balanced_accuracy_per_round": self.accuracy,
+            "train_loss_per_round": self.loss,
+            "clients_trained": self.trained,
+            "trainable_parameters": trainable_parameters(model),
+        }
+
+
 def round_draws(
     rng: np.random.Generator, parts: Sequence[np.ndarray], batch_size: int, batches: int
 ) -> list[tuple[int, list[np.ndarray]]]:
@@ -173,7 +202,7 @@ def train_adapter(
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     velocities: dict[int, list[torch.Tensor]] = {}
     rng = np.random.default_rng(seed)
-    per_round, losses, trained = [], [], []
+    history = _History()
 
     def logits_of(features: TextFeatures, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, key_mask, labels = features.rows(index)
@@ -204,22 +233,13 @@ def train_adapter(
         model.load_state_dict(global_state)
         with torch.no_grad():
             logits, labels = logits_of(test, np.arange(len(test.labels)))
-        per_round.append(
-            prediction_balanced_accuracy(labels.numpy(), logits.argmax(1).numpy(), num_classes)
+        history.add(
+            prediction_balanced_accuracy(labels.numpy(), logits.argmax(1).numpy(), num_classes),
+            float(np.average(round_losses, weights=weights)),
+            len(states),
         )
-        losses.append(float(np.average(round_losses, weights=weights)))
-        trained.append(len(states))
-        log(
-            f"[fedfm]   round {server_round}/{config.rounds}: train loss {losses[-1]:.4f}, "
-            f"test balanced accuracy {per_round[-1]:.4f}"
-        )
-    return {
-        "test_balanced_accuracy": per_round[-1],
-        "test_balanced_accuracy_per_round": per_round,
-        "train_loss_per_round": losses,
-        "clients_trained": trained,
-        "trainable_parameters": trainable_parameters(model),
-    }
+        log(history.line(server_round, config.rounds))
+    return history.record(model)
 
 
 def _by_length(
@@ -268,7 +288,7 @@ def finetune_text(
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     velocities: dict[int, list[torch.Tensor]] = {}
     rng = np.random.default_rng(seed)
-    per_round, losses, trained = [], [], []
+    history = _History()
     for server_round in range(1, config.rounds + 1):
         states, weights, round_losses = [], [], []
         for client, batches in round_draws(rng, parts, config.batch_size, config.batches_per_round):
@@ -292,24 +312,15 @@ def finetune_text(
             raise ConfigError(f"no client holds {config.batch_size} texts (one batch)")
         global_state = weighted_average(states, weights)
         model.load_state_dict(global_state)
-        per_round.append(
+        history.add(
             prediction_balanced_accuracy(
                 test.labels.numpy(), _predict(model, test), test.num_classes
-            )
+            ),
+            float(np.mean(round_losses)),
+            len(states),
         )
-        losses.append(float(np.mean(round_losses)))
-        trained.append(len(states))
-        log(
-            f"[fedfm]   round {server_round}/{config.rounds}: train loss {losses[-1]:.4f}, "
-            f"test balanced accuracy {per_round[-1]:.4f}"
-        )
-    return {
-        "test_balanced_accuracy": per_round[-1],
-        "test_balanced_accuracy_per_round": per_round,
-        "train_loss_per_round": losses,
-        "clients_trained": trained,
-        "trainable_parameters": trainable_parameters(model),
-    }
+        log(history.line(server_round, config.rounds))
+    return history.record(model)
 
 
 def distill_run(setting: Setting, model: str = "minilm") -> TextDistillRun:
