@@ -530,6 +530,22 @@ def _bench_ckks(args: argparse.Namespace) -> None:
     )
 
 
+def _bench_ckks_text(args: argparse.Namespace) -> None:
+    from fedfm.experiments.bench_ckks_text import run_text_ckks_benchmark
+
+    run_text_ckks_benchmark(
+        model=args.model,
+        backend_name=args.backend,
+        batch_sizes=args.batch_sizes,
+        block=args.block - 1,
+        forward_batch=args.forward_batch,
+        repeats=args.repeats,
+        student_dir=args.student_dir,
+        results_dir=args.results_dir,
+        command=args.command_line,
+    )
+
+
 def _bench_runtime(args: argparse.Namespace) -> None:
     from fedfm.experiments.bench_runtime import DEFAULT_SIZES, run_runtime_benchmark
 
@@ -963,6 +979,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_ckks.add_argument("--results-dir", type=Path, default=Path("results"))
     bench_ckks.set_defaults(handler=_bench_ckks)
+
+    bench_text = commands.add_parser(
+        "bench-ckks-text",
+        help="one encrypted block of the FHE-friendly MiniLM under CKKS, and a forward pass",
+    )
+    bench_text.add_argument(
+        "--model",
+        default="minilm",
+        help="'minilm' (packaged, offline) or a BERT/DistilBERT name or folder on this machine",
+    )
+    bench_text.add_argument(
+        "--backend", default="ckks-8192", help="ckks-8192 (default) or ckks (N=16384)"
+    )
+    bench_text.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[64], help="texts per batch"
+    )
+    bench_text.add_argument("--block", type=int, default=1, help="which block (1-based)")
+    bench_text.add_argument(
+        "--forward-batch",
+        type=int,
+        default=8,
+        help="also run every block on this many texts and compare predictions (0: skip)",
+    )
+    bench_text.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure each batch size this many times and report the median run",
+    )
+    bench_text.add_argument(
+        "--student-dir",
+        type=Path,
+        default=Path("runs/text"),
+        help="the kept text student (`fedfm paper-text`'s; distilled when missing)",
+    )
+    bench_text.add_argument("--results-dir", type=Path, default=Path("results"))
+    bench_text.set_defaults(handler=_bench_ckks_text)
 
     bench_runtime = commands.add_parser(
         "bench-runtime", help="end-to-end channel vs plain relaying: bytes and time per message"

@@ -64,6 +64,7 @@ import numpy as np
 import tenseal as ts
 import tenseal.sealapi as sealapi  # registers SEAL's types (moduli, keys) with Python
 
+import fedfm.crypto.ckks_text as ckks_text
 import fedfm.crypto.ckks_vit as ckks_vit
 from fedfm.crypto.backend import (
     CryptoBackend,
@@ -93,6 +94,7 @@ from fedfm.crypto.workers import (
 from fedfm.errors import CryptoParameterError, InvariantError, ProtocolError
 
 if TYPE_CHECKING:
+    from fedfm.models.fhe_text import FheTextClassifier
     from fedfm.models.fhe_vit import FheViT
 
 NAME = "ckks"
@@ -708,6 +710,43 @@ class CkksEvaluator(Evaluator):
             )
         tensor = yield from ckks_vit.block(
             self.circuit, model, index, self.layout, tensor, source.samples
+        )
+        return self._batch(tensor, source.shape, copies=False)
+
+    def evaluate_text_block(
+        self,
+        model: FheTextClassifier,
+        index: int,
+        hidden: EncryptedBatch,
+        key_mask: np.ndarray,
+    ) -> Work[CkksBatch]:
+        """Block ``index`` of a BERT-family ``model`` (:mod:`fedfm.crypto.ckks_text`) on
+        ``(n, T, D)`` hidden states; ``key_mask`` is ``(n, T)``, ``True`` at real tokens (the
+        server holds it in plaintext: it learns the texts' lengths)."""
+        source = self._check(hidden)
+        if len(source.shape) != 3:
+            raise ProtocolError(f"a block needs (n, T, D) hidden states, got {source.shape}")
+        if not 0 <= index < model.num_blocks:
+            raise ProtocolError(f"block index {index} out of range 0..{model.num_blocks - 1}")
+        keys = np.asarray(key_mask, dtype=bool)
+        if keys.shape != source.shape[:2]:
+            raise ProtocolError(
+                f"the key mask has shape {keys.shape}, the hidden states {source.shape[:2]}"
+            )
+        ckks_text.check_encryptable(model)
+        tensor = source.nested()
+        if not source.copies:
+            tensor = yield from ckks_vit.restore_copies(
+                self.circuit, self.layout, tensor, source.samples
+            )
+        tensor = yield from ckks_text.block(
+            self.circuit,
+            model,
+            index,
+            self.layout,
+            tensor,
+            source.samples,
+            ckks_vit.KeyMask.of(self.layout, keys),
         )
         return self._batch(tensor, source.shape, copies=False)
 

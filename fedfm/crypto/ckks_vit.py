@@ -313,6 +313,36 @@ def _token_shifts(layout: SlotLayout) -> list[tuple[int, int]]:
     return [(d % baby, d - d % baby) for d in range(layout.tokens)]
 
 
+@dataclass(frozen=True)
+class KeyMask:
+    """Which keys each query may attend to, per token shift, for texts padded on the right.
+
+    ``shifts[d, c]`` is a slot vector of ciphertext ``c``: 1 at query token ``t`` of a sample
+    when its key ``(t + d) mod T`` (the token the shift by ``d`` brings there) is a real token,
+    0 when it is padding. Attention folds it into the logits' existing valid-token mask and
+    removes what the exponential's constant term leaves at masked keys: no level of its own.
+    """
+
+    shifts: np.ndarray  # (tokens, ciphertexts, slots)
+    digest: str
+
+    @classmethod
+    def of(cls, layout: SlotLayout, key_mask: np.ndarray) -> KeyMask:
+        """From a boolean ``(samples, tokens)`` mask (``True`` at real tokens)."""
+        keys = np.asarray(key_mask, dtype=bool)
+        if keys.ndim != 2 or keys.shape[1] != layout.tokens or len(keys) < 1:
+            raise ProtocolError(
+                f"a key mask must be (samples, {layout.tokens}) booleans, got shape {keys.shape}"
+            )
+        if not keys.any(axis=1).all():
+            raise ProtocolError("every sample needs at least one real token in its key mask")
+        # shifted[d][:, t] = keys[:, (t + d) mod T]
+        shifted = np.stack([np.roll(keys, -d, axis=1) for d in range(layout.tokens)])
+        slots = np.stack([layout.pack(s[:, :, None].astype(np.float64))[0] for s in shifted])
+        digest = hashlib.sha256(repr(keys.shape).encode() + np.packbits(keys).tobytes())
+        return cls(slots, digest.hexdigest())
+
+
 def attention(
     circuit: Circuit,
     attn: FheAttention,
@@ -323,37 +353,84 @@ def attention(
     place: str,
 ) -> Work[Tensor]:
     """``attn(norm(x))`` for the token layout with copies (the block's first half)."""
-    softmax = attn.softmax
     normed, centring = yield from layer_norm(
         circuit, norm, x, layout.occupied(samples), ("occupied", samples), f"{place}/norm1"
     )
     qkv = Linear.of(attn.qkv).after_norm(norm, centring)
-    dim, heads, head_dim = len(x), attn.num_heads, attn.head_dim
+    dim = len(x)
     (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/qkv")
     normed = _shape(flat, dim)
-    q = linear(circuit, qkv.rows(0, dim).times(attn.scale), normed)
-    k = linear(circuit, qkv.rows(dim, 2 * dim), normed)
-    v = linear(circuit, qkv.rows(2 * dim, 3 * dim), normed)
+    projections = AttentionLayers(
+        query=qkv.rows(0, dim).times(attn.scale),
+        key=qkv.rows(dim, 2 * dim),
+        value=qkv.rows(2 * dim, 3 * dim),
+        output=Linear.of(attn.proj),
+        heads=attn.num_heads,
+    )
+    return (
+        yield from multi_head_attention(
+            circuit, attn.softmax, projections, layout, normed, samples, place
+        )
+    )
+
+
+@dataclass(frozen=True)
+class AttentionLayers:
+    """The linear layers of multi-head self-attention (the query's already times its scale)."""
+
+    query: Linear
+    key: Linear
+    value: Linear
+    output: Linear
+    heads: int
+
+
+def multi_head_attention(
+    circuit: Circuit,
+    softmax: ApproxSoftmax,
+    layers: AttentionLayers,
+    layout: SlotLayout,
+    x: Tensor,
+    samples: int,
+    place: str,
+    keys: KeyMask | None = None,
+) -> Work[Tensor]:
+    """Self-attention on ``x`` (token copies valid, one level of headroom) up to and including
+    the output projection; ``keys`` masks padding keys (all keys take part without it)."""
+    dim = len(x)
+    head_dim = dim // layers.heads
+    q = linear(circuit, layers.query, x)
+    k = linear(circuit, layers.key, x)
+    v = linear(circuit, layers.value, x)
     tensors = yield from circuit.ensure([_flat(q), _flat(k), _flat(v)], 1, f"{place}/logits")
     q, k, v = (_shape(t, dim) for t in tensors)
     # The heads are independent until the projection: their refresh-free parts (logits, the
     # weighted sum of values) are spread over the worker processes, their refreshes travel
     # together.
-    per_head = [[t[h * head_dim : (h + 1) * head_dim] for t in (q, k, v)] for h in range(heads)]
+    per_head = [
+        [t[h * head_dim : (h + 1) * head_dim] for t in (q, k, v)] for h in range(layers.heads)
+    ]
     scores = circuit.spread(_head_logits, [(q_h, k_h) for q_h, k_h, _ in per_head], layout=layout)
-    weighted = yield from lockstep(
-        [
-            _head_weights(circuit, softmax, layout, logits, backwards, v_h, samples, place)
-            for (logits, backwards), (_, _, v_h) in zip(scores, per_head, strict=True)
-        ]
-    )
+    try:
+        weighted = yield from lockstep(
+            [
+                _head_weights(
+                    circuit, softmax, layout, logits, backwards, v_h, samples, place, keys
+                )
+                for (logits, backwards), (_, _, v_h) in zip(scores, per_head, strict=True)
+            ]
+        )
+    finally:
+        if keys is not None:  # one batch's masks: not worth keeping for the evaluator's lifetime
+            digest = keys.digest
+            circuit.forget_vectors(lambda k: isinstance(k, tuple) and digest in k[1:2])
     heads_out = circuit.spread(_head_values, weighted, layout=layout)
     out = [feature for head in heads_out for feature in head]
     (flat,) = yield from circuit.ensure([_flat(out)], 1, f"{place}/proj")
     # 1/bound of the softmax (its numerators were divided by SOFTMAX_OUTPUT_SCALE) is folded
     # into the projection.
     unscale = SOFTMAX_OUTPUT_SCALE / _bound(softmax)
-    return linear(circuit, Linear.of(attn.proj).on_scaled_input(unscale), _shape(flat, dim))
+    return linear(circuit, layers.output.on_scaled_input(unscale), _shape(flat, dim))
 
 
 # One attention head in three parts: logits and the weighted sum of values need no refresh (and
@@ -408,10 +485,13 @@ def _head_weights(
     v: Tensor,
     samples: int,
     place: str,
+    keys: KeyMask | None = None,
 ) -> Work[list[Any]]:
     """The softmax of one head's logits (times its bound) and the head's values, ready for
     :func:`_head_values`: ``[weights, v, wrapped]`` with ``wrapped`` the values shifted by
-    ``T - 1`` for wrapping layouts (else empty)."""
+    ``T - 1`` for wrapping layouts (else empty). With ``keys``, padding keys get weight zero:
+    their logits are zeroed by the valid-token mask's product and the exponential's constant
+    term ``p(0)`` is subtracted there (``m p(x) = p(m x) - p(0) (1 - m)`` for 0/1 ``m``)."""
     valid = layout.valid(samples)
     count, tokens = len(v[0]), layout.tokens
     last = layout.last_token(samples) if layout.wraps else None
@@ -420,14 +500,20 @@ def _head_weights(
     shrink = 1.0 / SOFTMAX_INPUT_SCALE  # in the mask's product: no level of its own
     for i, ct in enumerate(logits):
         c, d = divmod(i, tokens)
+        keep = valid[c] * shrink
+        # without a key mask the mask is the same for every shift (one cached plaintext)
+        tag: tuple[object, ...] = (samples, c)
+        if keys is not None:
+            keep = keep * keys.shifts[d, c]
+            tag = (keys.digest, c, d)
         if last is None or d < tokens - 1:
-            masked.append(circuit.masked_sum([(ct, ("valid/s", samples, c), valid[c] * shrink)]))
+            masked.append(circuit.masked_sum([(ct, ("valid/s", *tag), keep)]))
             continue
         masked.append(
             circuit.masked_sum(
                 [
-                    (ct, ("valid but last/s", samples, c), (valid[c] - last[c]) * shrink),
-                    (backwards[c], ("last/s", samples, c), last[c] * shrink),
+                    (ct, ("valid but last/s", *tag), keep * (1 - last[c])),
+                    (backwards[c], ("last/s", *tag), keep * last[c]),
                 ]
             )
         )
@@ -436,6 +522,14 @@ def _head_weights(
     numerators = yield from evaluate_traced(
         circuit, polyval(exp, a), {a: masked}, f"{place}/exp", output_headroom=1
     )
+    if keys is not None:
+        constant = exp.coefficients[0]  # p(0): what a zeroed logit leaves
+        unkept = valid[:, None, :] * (1 - keys.shifts.transpose(1, 0, 2))  # (c, d, slots)
+        numerators = [
+            circuit.add_vector(ct, ("unkept", keys.digest, c, d), -constant * unkept[c, d])
+            for i, ct in enumerate(numerators)
+            for c, d in [divmod(i, tokens)]
+        ]
     bound = _bound(softmax) / SOFTMAX_OUTPUT_SCALE  # of the scaled numerators' sum
     scaled = []
     for c in range(count):

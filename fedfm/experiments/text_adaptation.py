@@ -325,9 +325,14 @@ def finetune_text(
 
 def distill_run(setting: Setting, model: str = "minilm") -> TextDistillRun:
     """The student a setting adapts: :data:`TEXT_SPLIT`, distilled on ``setting.distill_data``."""
+    return student_run(model, setting.distill_data)
+
+
+def student_run(model: str = "minilm", distill_data: str = "stdlib") -> TextDistillRun:
+    """The distillation run of the table's students: :data:`TEXT_SPLIT`, on ``distill_data``."""
     return TextDistillRun(
         model=model,
-        distill_data=setting.distill_data,
+        distill_data=distill_data,
         ablation=False,
         aux_per_class=TEXT_SPLIT["aux_per_class"],
         pool_per_class=TEXT_SPLIT["pool_per_class"],

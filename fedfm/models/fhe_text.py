@@ -28,6 +28,7 @@ Hugging Face name or folder already on this machine; nothing is downloaded.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,60 @@ def _self_attentions(layer: nn.Module) -> list[nn.Module]:
     return found
 
 
+@dataclass(frozen=True)
+class TextBlockModules:
+    """The parts of one post-LayerNorm block, in evaluation order, whatever the architecture
+    names them: ``h = attention_norm(x + attention_output(attention(x)))``, then
+    ``output_norm(h + output(activation(intermediate(h))))``."""
+
+    query: nn.Linear
+    key: nn.Linear
+    value: nn.Linear
+    heads: int
+    softmax: ApproxSoftmax
+    attention_output: nn.Linear
+    attention_norm: nn.Module
+    intermediate: nn.Linear
+    activation: nn.Module
+    output: nn.Linear
+    output_norm: nn.Module
+
+
+def _block_modules(layer: nn.Module) -> TextBlockModules:
+    attention: Any = _self_attentions(layer)[0]
+    softmax = getattr(attention, "fhe_softmax", None)
+    if not isinstance(softmax, FheSoftmax):
+        raise ModelError("build the FHE-friendly text model with to_fhe_text")
+    parts: Any = layer
+    if hasattr(parts, "ffn"):  # DistilBERT's TransformerBlock
+        return TextBlockModules(
+            query=attention.q_lin,
+            key=attention.k_lin,
+            value=attention.v_lin,
+            heads=int(attention.n_heads),
+            softmax=softmax.softmax,
+            attention_output=attention.out_lin,
+            attention_norm=parts.sa_layer_norm,
+            intermediate=parts.ffn.lin1,
+            activation=parts.ffn.activation,
+            output=parts.ffn.lin2,
+            output_norm=parts.output_layer_norm,
+        )
+    return TextBlockModules(  # BERT's BertLayer
+        query=attention.query,
+        key=attention.key,
+        value=attention.value,
+        heads=int(attention.num_attention_heads),
+        softmax=softmax.softmax,
+        attention_output=parts.attention.output.dense,
+        attention_norm=parts.attention.output.LayerNorm,
+        intermediate=parts.intermediate.dense,
+        activation=parts.intermediate.intermediate_act_fn,
+        output=parts.output.dense,
+        output_norm=parts.output.LayerNorm,
+    )
+
+
 class FheTextClassifier(nn.Module):
     """A BERT-family encoder whose non-linearities follow an :class:`ApproxConfig`, with a linear
     head on the mean over real tokens. Build it with :func:`to_fhe_text`.
@@ -312,6 +367,12 @@ class FheTextClassifier(nn.Module):
         if logits is None:
             raise ModelError(f"block {index} did not run its FHE-friendly attention")
         return hidden, logits
+
+    def block_modules(self, index: int) -> TextBlockModules:
+        """The layers of block ``index`` by role (what an encrypted evaluator folds and runs)."""
+        if not 0 <= index < self.num_blocks:
+            raise ModelError(f"block index {index} out of range 0..{self.num_blocks - 1}")
+        return _block_modules(self.layers[index])
 
     def pool(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Mean over the real tokens of the last block's output."""

@@ -1,0 +1,158 @@
+"""A BERT-family block under real CKKS (fedfm.crypto.ckks_text) against the plaintext block."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedfm.approx import ApproxConfig
+from fedfm.crypto.backend import ModelGeometry, drive
+from fedfm.crypto.ckks import CkksBackend, CkksEvaluator, CkksKeyOwner
+from fedfm.crypto.ckks_vit import KeyMask
+from fedfm.crypto.params import CKKS_8192_REFRESH
+from fedfm.distillation.text import polynomial_student
+from fedfm.errors import ConfigError, ModelError, ProtocolError
+from fedfm.models.fhe_text import FheTextClassifier, to_fhe_text
+from tests.models.test_fhe_text import PAD, tiny_bert
+
+pytestmark = pytest.mark.ckks  # real TenSEAL/SEAL encryption throughout
+
+TOKENS = 8
+LENGTHS = (8, 6, 3, 1, 5)
+TOLERANCE = 1e-4  # of the output's range
+
+
+def _ids() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 50, (len(LENGTHS), TOKENS), generator=generator)
+    for row, length in enumerate(LENGTHS):
+        ids[row, length:] = PAD
+    return ids
+
+
+@pytest.fixture(scope="module")
+def student() -> FheTextClassifier:
+    """A tiny BERT with every non-linearity polynomial: the text default's quartic GELU with
+    channel scales, Taylor exp, Goldschmidt inverse, Newton inverse square root."""
+    teacher = to_fhe_text(tiny_bert(), ApproxConfig.exact(), num_classes=3, pad_token_id=PAD)
+    approx = ApproxConfig.build(gelu_degree=4, gelu_radius=4.0, gelu_channel_scale=True)
+    return polynomial_student(teacher, approx, [_ids()]).eval()
+
+
+@pytest.fixture(scope="module")
+def parties() -> tuple[CkksKeyOwner, CkksEvaluator]:
+    backend = CkksBackend(CKKS_8192_REFRESH)
+    geometry = ModelGeometry(tokens=TOKENS, patch_size=1)
+    owner = backend.create_key_owner(geometry=geometry)
+    return owner, backend.create_evaluator(owner.public_context(), geometry)
+
+
+def test_text_blocks_match_the_plaintext_blocks_with_padding(
+    student: FheTextClassifier, parties: tuple[CkksKeyOwner, CkksEvaluator]
+) -> None:
+    """Two chained blocks on right-padded texts of 8, 6, 3, 1 and 5 tokens match the plaintext
+    model at every position, and the key mask is what makes them match."""
+    owner, evaluator = parties
+    ids = _ids()
+    key_mask = student.key_mask(ids)
+    with torch.no_grad():
+        hidden = student.embed(ids)
+        first = student.block(0, hidden, key_mask)
+        second = student.block(1, first, key_mask)
+        unmasked = student.block(0, hidden, torch.ones_like(key_mask))
+
+    def refresh(items: list) -> list:
+        return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))
+
+    batch = owner.encrypt(hidden.numpy())
+    out = drive(evaluator.evaluate_text_block(student, 0, batch, key_mask.numpy()), refresh)
+    got = owner.decrypt(out)
+    span = float(first.abs().max())
+    assert np.abs(got - first.numpy()).max() <= TOLERANCE * span
+    # attending to the padding keys would have given another output at the real tokens
+    real = key_mask.numpy()
+    assert np.abs(got - unmasked.numpy())[real].max() > 100 * TOLERANCE * span
+    # chained on the server: the token copies are rebuilt from the output
+    assert not out.copies
+    out = drive(evaluator.evaluate_text_block(student, 1, out, key_mask.numpy()), refresh)
+    assert np.abs(owner.decrypt(out) - second.numpy()).max() <= TOLERANCE * float(
+        second.abs().max()
+    )
+
+
+def test_key_masks_and_models_are_checked(
+    student: FheTextClassifier, parties: tuple[CkksKeyOwner, CkksEvaluator]
+) -> None:
+    owner, evaluator = parties
+    ids = _ids()
+    with torch.no_grad():
+        batch = owner.encrypt(student.embed(ids).numpy())
+    key_mask = student.key_mask(ids).numpy()
+    with pytest.raises(ProtocolError, match="key mask has shape"):
+        next(evaluator.evaluate_text_block(student, 0, batch, key_mask[:, :-1]))
+    empty = key_mask.copy()
+    empty[2] = False
+    with pytest.raises(ProtocolError, match="at least one real token"):
+        next(evaluator.evaluate_text_block(student, 0, batch, empty))
+    with pytest.raises(ProtocolError, match="out of range"):
+        next(evaluator.evaluate_text_block(student, 2, batch, key_mask))
+    exact = student.with_approx(ApproxConfig.exact())
+    with pytest.raises(ModelError, match="polynomial softmax"):
+        next(evaluator.evaluate_text_block(exact, 0, batch, key_mask))
+
+
+def test_key_mask_shifts_name_the_key_each_shift_brings() -> None:
+    """``shifts[d]`` at query ``t`` is the key mask at ``(t + d) mod T``, in the packed layout."""
+    from fedfm.crypto.packing import SlotLayout
+
+    layout = SlotLayout.for_tokens(4096, TOKENS)
+    keys = np.zeros((3, TOKENS), dtype=bool)
+    for row, length in enumerate((8, 2, 5)):
+        keys[row, :length] = True
+    mask = KeyMask.of(layout, keys)
+    assert mask.shifts.shape == (TOKENS, layout.ciphertexts_for(3), 4096)
+    for d in range(TOKENS):
+        unpacked = layout.unpack(mask.shifts[d][None], 3)[..., 0]
+        np.testing.assert_array_equal(unpacked, np.roll(keys, -d, axis=1))
+    assert KeyMask.of(layout, keys).digest == mask.digest
+    assert KeyMask.of(layout, ~keys | keys[:, :1]).digest != mask.digest
+
+
+@pytest.mark.slow
+def test_bench_ckks_text_writes_the_block_table_and_the_forward_pass(
+    student: FheTextClassifier, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fedfm bench-ckks-text`` on the tiny student: the ViT table's columns, the forward
+    pass's per-block errors and agreeing predictions, the JSON's headline keys."""
+    import json
+
+    from fedfm.data.text_task import TextSplits, TokenizedTexts
+    from fedfm.experiments import bench_ckks_text
+
+    texts = TokenizedTexts(
+        [f"text {i}" for i in range(len(LENGTHS))], _ids(), torch.arange(len(LENGTHS)) % 3, 3
+    )
+    splits = TextSplits(("a", "b", "c"), TOKENS, texts, texts, texts, texts)
+    monkeypatch.setattr(student, "max_tokens", TOKENS)  # the encrypted layout's length
+    report = {"teacher_accuracy": 0.5, "student_accuracy": 0.4}
+    monkeypatch.setattr(
+        bench_ckks_text, "kept_text_student", lambda run, folder, log: (student, report)
+    )
+    monkeypatch.setattr(bench_ckks_text, "load_text_encoder", lambda model: (None, None))
+    monkeypatch.setattr(bench_ckks_text, "task_splits", lambda run, tokenizer: splits)
+    rows = bench_ckks_text.run_text_ckks_benchmark(
+        batch_sizes=(4,), forward_batch=3, results_dir=tmp_path, log=lambda _line: None
+    )
+    saved = json.loads((tmp_path / "ckks_block_minilm.json").read_text())
+    assert saved["backend"] == "ckks-8192" and saved["tokens"] == TOKENS
+    (row,) = rows
+    assert row["batch_size"] == 4 and row["refreshes"] > 0 and row["error_over_range"] < 1e-3
+    assert row["real_tokens_per_text"] == pytest.approx(np.mean(LENGTHS[:4]))
+    forward = saved["forward_pass"]
+    assert len(forward["block_error_over_range"]) == student.num_blocks
+    assert max(forward["block_error_over_range"]) < 1e-3 and forward["predictions_agree"] == 3
+    table = (tmp_path / "ckks_block_minilm.md").read_text()
+    assert "| batch | samples/ct | s/block |" in table and "Regenerate:" in table
+    with pytest.raises(ConfigError, match="measures a CKKS backend"):
+        bench_ckks_text.run_text_ckks_benchmark(backend_name="simulate", results_dir=tmp_path)
