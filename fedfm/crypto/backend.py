@@ -32,6 +32,7 @@ import numpy as np
 from fedfm.errors import ProtocolError
 
 if TYPE_CHECKING:
+    from fedfm.models.fhe_text import FheTextClassifier
     from fedfm.models.fhe_vit import FheViT
 
 
@@ -196,6 +197,13 @@ class Evaluator(ABC):
         """Block ``index`` (0-based) of ``model`` on an encrypted batch of hidden states."""
 
     @abstractmethod
+    def evaluate_text_block(
+        self, model: FheTextClassifier, index: int, hidden: EncryptedBatch, key_mask: np.ndarray
+    ) -> Work[EncryptedBatch]:
+        """Block ``index`` of a BERT-family text ``model`` on encrypted ``(n, T, D)`` hidden
+        states; ``key_mask`` (:func:`check_key_mask`) marks the real tokens, in plaintext."""
+
+    @abstractmethod
     def cross_entropy(
         self,
         probabilities: EncryptedBatch,
@@ -222,6 +230,22 @@ class Evaluator(ABC):
     def refreshed(self, payload: dict[str, np.ndarray]) -> list[Any]:
         """The fresh items of a data owner's refresh answer, checked."""
         raise ProtocolError(f"the {self.backend} backend never asks for refreshes")
+
+
+def check_key_mask(shape: tuple[int, ...], key_mask: np.ndarray) -> np.ndarray:
+    """``key_mask`` as ``(n, T)`` booleans (``True`` at real tokens) for hidden states of
+    ``shape`` ``(n, T, D)``; :class:`ProtocolError` for another shape or a text without a real
+    token (its attention would have nothing to normalise)."""
+    if len(shape) != 3:
+        raise ProtocolError(f"a block needs (n, T, D) hidden states, got {shape}")
+    keys = np.asarray(key_mask)
+    if keys.shape != shape[:2]:
+        raise ProtocolError(f"the key mask has shape {keys.shape}, the hidden states {shape[:2]}")
+    if keys.dtype != np.bool_:
+        raise ProtocolError(f"the key mask must be booleans, got {keys.dtype}")
+    if not keys.any(axis=1).all():
+        raise ProtocolError("every text needs at least one real token in its key mask")
+    return keys
 
 
 def join_offset(first: int, second: int, capacity: int) -> int:

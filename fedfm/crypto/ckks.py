@@ -73,6 +73,7 @@ from fedfm.crypto.backend import (
     KeyOwner,
     ModelGeometry,
     Work,
+    check_key_mask,
     join_offset,
 )
 from fedfm.crypto.circuit import Circuit
@@ -722,33 +723,43 @@ class CkksEvaluator(Evaluator):
     ) -> Work[CkksBatch]:
         """Block ``index`` of a BERT-family ``model`` (:mod:`fedfm.crypto.ckks_text`) on
         ``(n, T, D)`` hidden states; ``key_mask`` is ``(n, T)``, ``True`` at real tokens (the
-        server holds it in plaintext: it learns the texts' lengths)."""
+        server holds it in plaintext: it learns the texts' lengths).
+
+        One ciphertext column (up to :attr:`samples_per_set` texts) at a time: a column's
+        intermediates are freed before the next starts. Two columns of MiniLM at 64 tokens at
+        once (batch 64 at N = 8192) exceeded this machine's 24 GB; one at a time they cost two
+        sets of refresh round trips instead of one (``docs/ckks.md``, "A text block").
+        """
         source = self._check(hidden)
-        if len(source.shape) != 3:
-            raise ProtocolError(f"a block needs (n, T, D) hidden states, got {source.shape}")
+        keys = check_key_mask(source.shape, key_mask)
         if not 0 <= index < model.num_blocks:
             raise ProtocolError(f"block index {index} out of range 0..{model.num_blocks - 1}")
-        keys = np.asarray(key_mask, dtype=bool)
-        if keys.shape != source.shape[:2]:
-            raise ProtocolError(
-                f"the key mask has shape {keys.shape}, the hidden states {source.shape[:2]}"
-            )
         ckks_text.check_encryptable(model)
-        tensor = source.nested()
-        if not source.copies:
-            tensor = yield from ckks_vit.restore_copies(
-                self.circuit, self.layout, tensor, source.samples
+        nested = source.nested()
+        capacity = self.layout.capacity
+        outputs = []
+        for column, first in enumerate(range(0, source.samples, capacity)):
+            rows = keys[first : first + capacity]
+            tensor = [[feature[column]] for feature in nested]
+            if not source.copies:
+                tensor = yield from ckks_vit.restore_copies(
+                    self.circuit, self.layout, tensor, len(rows)
+                )
+            outputs.append(
+                (
+                    yield from ckks_text.block(
+                        self.circuit,
+                        model,
+                        index,
+                        self.layout,
+                        tensor,
+                        len(rows),
+                        ckks_vit.KeyMask.of(self.layout, rows),
+                    )
+                )
             )
-        tensor = yield from ckks_text.block(
-            self.circuit,
-            model,
-            index,
-            self.layout,
-            tensor,
-            source.samples,
-            ckks_vit.KeyMask.of(self.layout, keys),
-        )
-        return self._batch(tensor, source.shape, copies=False)
+        joined = [[ct for out in outputs for ct in out[f]] for f in range(len(nested))]
+        return self._batch(joined, source.shape, copies=False)
 
     def cross_entropy(
         self,

@@ -159,8 +159,10 @@ def mlp(
     activated = yield from evaluate_traced(
         circuit, polyval(layers.gelu, h), {h: _flat(hidden)}, f"{place}/gelu", output_headroom=1
     )
+    width = len(hidden)
+    del hidden, normed
     (activated,) = yield from circuit.ensure([activated], 1, f"{place}/fc2")
-    tensor = _shape(activated, len(hidden))
+    tensor = _shape(activated, width)
     if folded:
         return unfolded_linear(circuit, layout, layers.output, tensor)
     return linear(circuit, layers.output, tensor)
@@ -185,9 +187,12 @@ def block(
         circuit, layers.softmax, layers.attention, layout, x, samples, place, keys
     )
     first = layers.attention_norm
+    residual = add(circuit, x, attended)
+    del x, attended  # a column of MiniLM's hidden states is 150 MB: free what is done with
     normed, centring = yield from layer_norm(
-        circuit, first, add(circuit, x, attended), valid, ("valid", samples), f"{place}/norm1"
+        circuit, first, residual, valid, ("valid", samples), f"{place}/norm1"
     )
+    del residual
     # the residual's affine and the intermediate layer each take a level of ``normed``: one
     # refresh serves both
     (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/fc1")

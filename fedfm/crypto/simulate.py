@@ -30,6 +30,7 @@ from fedfm.crypto.backend import (
     KeyOwner,
     ModelGeometry,
     Work,
+    check_key_mask,
     finished,
     join_offset,
 )
@@ -38,6 +39,7 @@ from fedfm.errors import CryptoParameterError, ProtocolError
 from fedfm.models.device import ieee_float32
 
 if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
+    from fedfm.models.fhe_text import FheTextClassifier
     from fedfm.models.fhe_vit import FheViT
 
 NAME = "simulate"
@@ -176,6 +178,19 @@ class SimulatedEvaluator(Evaluator):
         values = self._on_model_device(model, self._check(hidden).values)
         with ieee_float32():
             return finished(self._wrap(model.block(index, values)))
+
+    @torch.no_grad()
+    def evaluate_text_block(
+        self, model: FheTextClassifier, index: int, hidden: EncryptedBatch, key_mask: np.ndarray
+    ) -> Work[SimulatedBatch]:
+        source = self._check(hidden)
+        keys = check_key_mask(source.values.shape, key_mask)
+        if not 0 <= index < model.num_blocks:
+            raise ProtocolError(f"block index {index} out of range 0..{model.num_blocks - 1}")
+        values = self._on_model_device(model, source.values)
+        with ieee_float32():
+            mask = torch.from_numpy(keys).to(values.device)
+            return finished(self._wrap(model.block(index, values, mask)))
 
     def cross_entropy(
         self,
