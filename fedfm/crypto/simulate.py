@@ -162,7 +162,7 @@ class SimulatedEvaluator(Evaluator):
         return self._wrap(np.concatenate([a, gap, b])), offset
 
     @staticmethod
-    def _on_model_device(model: FheViT, values: np.ndarray) -> torch.Tensor:
+    def _on_model_device(model: torch.nn.Module, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(next(model.parameters()).device)
 
     @torch.no_grad()
