@@ -34,7 +34,7 @@ CRYPTO_LAYERS: tuple[tuple[str, ...], ...] = (
     ("randomness", "backend", "simulate", "params", "schedule"),
     ("seal_memory", "seal_raw", "rns_linear"),
     ("workers", "refresh", "circuit"),
-    ("packing", "benes", "ckks_vit"),
+    ("packing", "benes", "ckks_vit", "ckks_text"),
     ("ckks",),
 )
 ROOT_MODULE_LIMIT = 4  # modules at the root of fedfm/ besides __init__.py

@@ -15,8 +15,9 @@ Layers, bottom up (a module imports only layers below its own; no cycle, late im
    and imports no crypto module), :mod:`~fedfm.crypto.refresh` (masked client-assisted refresh
    and its pool jobs), :mod:`~fedfm.crypto.circuit` (the instrumented evaluator; its worker pool
    is injected as a :class:`~fedfm.crypto.circuit.SegmentRunner`, its pool jobs live beside it).
-4. **The ViT on ciphertexts**: :mod:`~fedfm.crypto.packing` (slot layout),
-   :mod:`~fedfm.crypto.benes` (permutation networks), :mod:`~fedfm.crypto.ckks_vit` (blocks).
+4. **The models on ciphertexts**: :mod:`~fedfm.crypto.packing` (slot layout),
+   :mod:`~fedfm.crypto.benes` (permutation networks), :mod:`~fedfm.crypto.ckks_vit` (ViT
+   blocks), :mod:`~fedfm.crypto.ckks_text` (BERT-family blocks, on ckks_vit's parts).
 5. **The CKKS backend** :mod:`~fedfm.crypto.ckks`, and this package: :func:`get_backend`.
 
 The public API is what this package exports: the backend seam, the backends and parameter sets,
