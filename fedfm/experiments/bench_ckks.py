@@ -20,6 +20,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +344,81 @@ def measure_forward(
     }
 
 
+def median_run(measure: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """``measure()`` ``repeats`` times (fresh keys each time): the row with the median seconds
+    per block, with every run's seconds under ``seconds_per_block_runs``."""
+    runs = sorted((measure() for _ in range(repeats)), key=lambda row: row["seconds_per_block"])
+    median = runs[(len(runs) - 1) // 2]
+    median["seconds_per_block_runs"] = [row["seconds_per_block"] for row in runs]
+    return median
+
+
+def setting_sentence(backend_name: str, backend: CkksBackend) -> str:
+    """The parameter set, the cores and how refreshes were answered (a table's description)."""
+    params = backend.params
+    return (
+        f"backend `{backend_name}`: N = {params.poly_modulus_degree}, primes "
+        f"{list(params.coeff_mod_bit_sizes)} bits, scale 2^{params.scale_bits}, "
+        f"{params.levels_between_refreshes} rescales between masked refreshes. "
+        f"{_cores_description(backend)}; refreshes answered on this machine by the data owner "
+        "(no network: add round trips x RTT). `simulate` is the plaintext polynomial block "
+        "(torch, one thread)"
+    )
+
+
+def repeats_sentence(repeats: int) -> str:
+    return (
+        f"Each row is the median of {repeats} runs (all runs' seconds per block in the JSON). "
+        if repeats > 1
+        else ""
+    )
+
+
+def table_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows without their per-place detail (kept once in :func:`block_summary`)."""
+    detail = ("refresh_places", "server_seconds_by_operation")
+    return [{k: v for k, v in row.items() if k not in detail} for row in rows]
+
+
+def block_summary(
+    backend: CkksBackend, rows: list[dict[str, Any]], *, blocks: int, repeats: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The headline row (batch 64, else the last) and the JSON keys every block table has:
+    parameters, per-sample seconds of a block and of ``blocks`` blocks, refresh places and
+    budget, cores. Takes the refresh bound objects out of ``rows`` (not JSON)."""
+    headline = next((row for row in rows if row["batch_size"] == 64), rows[-1])
+    params = backend.params
+    bound: RefreshBound = rows[0]["refresh_bound_object"]
+    for row in rows:
+        row.pop("refresh_bound_object")
+    return headline, {
+        "parameters": {
+            "poly_modulus_degree": params.poly_modulus_degree,
+            "coeff_mod_bit_sizes": list(params.coeff_mod_bit_sizes),
+            "scale_bits": params.scale_bits,
+            "levels_between_refreshes": params.levels_between_refreshes,
+        },
+        "seconds_per_sample_per_block": headline["seconds_per_sample_per_block"],
+        "seconds_per_sample_per_forward": headline["seconds_per_sample_per_block"] * blocks,
+        "headline_batch_size": headline["batch_size"],
+        "refresh_places": {row["batch_size"]: row["refresh_places"] for row in rows},
+        "server_seconds_by_operation": {
+            row["batch_size"]: row["server_seconds_by_operation"] for row in rows
+        },
+        "refresh_budget": _refresh_budget(params, bound, headline),
+        "cores_used": _cores_used(backend),
+        "worker_processes": backend.workers if backend.workers >= 2 else 0,
+        "repeats": repeats,
+    }
+
+
+def flood_slot_std(params: CkksParameters) -> float:
+    """Standard deviation of the release's flood in a decoded slot: sigma sqrt(N / 2) / scale."""
+    return (
+        2.0**params.flood_bits * math.sqrt(params.poly_modulus_degree / 2) / 2.0**params.scale_bits
+    )
+
+
 def run_ckks_benchmark(
     run: DistillRun,
     *,
@@ -380,31 +456,24 @@ def run_ckks_benchmark(
             f"batch sizes up to {len(splits.test)} (the test split), got {batch_sizes}"
         )
     torch.set_num_threads(1)  # the plaintext reference on one core, like SEAL here
-    rows = []
-    for n in batch_sizes:
-        runs = [
-            measure_block(model, backend, splits.test.images[:n], block=block, log=log)
-            for _ in range(repeats)
-        ]
-        runs.sort(key=lambda run: run["seconds_per_block"])
-        median = runs[(len(runs) - 1) // 2]
-        median["seconds_per_block_runs"] = [run["seconds_per_block"] for run in runs]
-        rows.append(median)
+    rows = [
+        median_run(
+            partial(measure_block, model, backend, splits.test.images[:n], block=block, log=log),
+            repeats,
+        )
+        for n in batch_sizes
+    ]
     forward = (
         measure_forward(model, backend, splits.test.images[:forward_batch], log=log)
         if forward_batch
         else None
     )
-    bound = rows[0].pop("refresh_bound_object")
-    for row in rows[1:]:
-        row.pop("refresh_bound_object")
     calibration = (
         measure_refresh_values(model, backend, splits.test.images[: batch_sizes[0]], log=log)
         if calibrate
         else None
     )
-    by_batch = {row["batch_size"]: row for row in rows}
-    headline = by_batch.get(64, rows[-1])
+    headline, summary = block_summary(backend, rows, blocks=model.num_blocks, repeats=repeats)
     params = backend.params
     write_results(
         results_dir,
@@ -413,19 +482,9 @@ def run_ckks_benchmark(
         description=(
             f"Block {block + 1} of the distilled student in {student_path} ({model.num_blocks} "
             f"blocks, {model_geometry(model).tokens} tokens, width "
-            f"{model.vit.embed_dim}) on {run.dataset} test images; backend `{backend_name}`: "
-            f"N = {params.poly_modulus_degree}, primes {list(params.coeff_mod_bit_sizes)} bits, "
-            f"scale 2^{params.scale_bits}, {params.levels_between_refreshes} rescales between "
-            f"masked refreshes. {_cores_description(backend)}; refreshes answered on this "
-            "machine by the data owner (no network: add round trips x RTT). `simulate` is the "
-            "plaintext "
-            "polynomial block (torch, one thread) the simulate backend runs. "
-            + (
-                f"Each row is the median of {repeats} runs (all runs' seconds per block in the "
-                "JSON). "
-                if repeats > 1
-                else ""
-            )
+            f"{model.vit.embed_dim}) on {run.dataset} test images; "
+            f"{setting_sentence(backend_name, backend)} the simulate backend runs. "
+            + repeats_sentence(repeats)
             + "A forward pass "
             f"is {model.num_blocks} such blocks"
             + (
@@ -437,48 +496,21 @@ def run_ckks_benchmark(
                 else "."
             )
         ),
-        rows=[
-            {
-                k: v
-                for k, v in row.items()
-                if k not in ("refresh_places", "server_seconds_by_operation")
-            }
-            for row in rows
-        ],
+        rows=table_rows(rows),
         columns=BLOCK_COLUMNS,
         extra={
             "backend": backend_name,
-            "parameters": {
-                "poly_modulus_degree": params.poly_modulus_degree,
-                "coeff_mod_bit_sizes": list(params.coeff_mod_bit_sizes),
-                "scale_bits": params.scale_bits,
-                "levels_between_refreshes": params.levels_between_refreshes,
-            },
-            "seconds_per_sample_per_block": headline["seconds_per_sample_per_block"],
-            "seconds_per_sample_per_forward": headline["seconds_per_sample_per_block"]
-            * model.num_blocks,
-            "headline_batch_size": headline["batch_size"],
-            "refresh_places": {row["batch_size"]: row["refresh_places"] for row in rows},
-            "server_seconds_by_operation": {
-                row["batch_size"]: row["server_seconds_by_operation"] for row in rows
-            },
-            "refresh_budget": _refresh_budget(params, bound, headline),
+            **summary,
             # log2(largest unmasked coefficient / scale) per refresh place, over every block
             # (--calibrate; the refresh's value bound is 2^value_bits)
             "refresh_calibration": calibration,
             "circuit_privacy": {
                 "flood_bits": params.flood_bits,
-                # standard deviation of the flood in a decoded slot: sigma sqrt(N / 2) / scale
-                "flood_slot_std": 2.0**params.flood_bits
-                * math.sqrt(params.poly_modulus_degree / 2)
-                / 2.0**params.scale_bits,
+                "flood_slot_std": flood_slot_std(params),
                 "release_seconds_per_block": headline["release_seconds"],
                 "max_abs_error_before_release": headline["max_abs_error_before_release"],
                 "max_abs_error_after_release": headline["max_abs_error"],
             },
-            "cores_used": _cores_used(backend),
-            "worker_processes": backend.workers if backend.workers >= 2 else 0,
-            "repeats": repeats,
             "forward_pass": forward,
         },
         command=command,

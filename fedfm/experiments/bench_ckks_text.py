@@ -15,9 +15,9 @@ third fill all 64, so a shorter evaluation would truncate the texts the accuracy
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,13 @@ from fedfm.distillation.text import kept_text_student, task_splits
 from fedfm.errors import ConfigError
 from fedfm.experiments.bench_ckks import (
     BLOCK_COLUMNS,
-    _cores_description,
-    _cores_used,
-    _refresh_budget,
+    block_summary,
+    flood_slot_std,
     measure_encrypted_block,
+    median_run,
+    repeats_sentence,
+    setting_sentence,
+    table_rows,
 )
 from fedfm.experiments.results import write_results
 from fedfm.experiments.text_adaptation import student_run
@@ -179,25 +182,19 @@ def run_text_ckks_benchmark(
     if max(*batch_sizes, forward_batch) > len(test.input_ids):
         raise ConfigError(f"batch sizes up to {len(test.input_ids)} (the test split)")
     torch.set_num_threads(1)  # the plaintext reference on one core, like SEAL here
-    rows = []
-    for n in batch_sizes:
-        runs = [
-            measure_text_block(student, backend, test.input_ids[:n], block=block, log=log)
-            for _ in range(repeats)
-        ]
-        runs.sort(key=lambda row: row["seconds_per_block"])
-        median = runs[(len(runs) - 1) // 2]
-        median["seconds_per_block_runs"] = [row["seconds_per_block"] for row in runs]
-        rows.append(median)
+    rows = [
+        median_run(
+            partial(measure_text_block, student, backend, test.input_ids[:n], block=block, log=log),
+            repeats,
+        )
+        for n in batch_sizes
+    ]
     forward = (
         measure_text_forward(student, backend, test.input_ids[:forward_batch], log=log)
         if forward_batch
         else None
     )
-    bound = rows[0].pop("refresh_bound_object")
-    for row in rows[1:]:
-        row.pop("refresh_bound_object")
-    headline = next((row for row in rows if row["batch_size"] == 64), rows[-1])
+    _, summary = block_summary(backend, rows, blocks=student.num_blocks, repeats=repeats)
     params = backend.params
     config = student.encoder.config
     geometry = text_geometry(student)
@@ -210,17 +207,9 @@ def run_text_ckks_benchmark(
             f"{config.hidden_size}, {config.num_attention_heads} heads, {geometry.tokens} "
             f"tokens per text, key mask for the padding; teacher {report['teacher_accuracy']:.3f}"
             f", student {report['student_accuracy']:.3f} accuracy on the task) on the "
-            f"first held-out docstrings of the text task; backend `{backend_name}`: N = "
-            f"{params.poly_modulus_degree}, primes {list(params.coeff_mod_bit_sizes)} bits, scale "
-            f"2^{params.scale_bits}, {params.levels_between_refreshes} rescales between masked "
-            f"refreshes. {_cores_description(backend)}; refreshes answered on this machine by "
-            "the data owner (no network: add round trips x RTT). `simulate` is the plaintext "
-            "polynomial block (torch, one thread). "
-            + (
-                f"Each row is the median of {repeats} runs (all runs' seconds in the JSON). "
-                if repeats > 1
-                else ""
-            )
+            f"first held-out docstrings of the text task; {setting_sentence(backend_name, backend)}"
+            ". "
+            + repeats_sentence(repeats)
             + f"A forward pass is {student.num_blocks} such blocks"
             + (
                 f"; measured on {forward['samples']} texts: {forward['predictions_agree']} head "
@@ -231,14 +220,7 @@ def run_text_ckks_benchmark(
                 else "."
             )
         ),
-        rows=[
-            {
-                k: v
-                for k, v in row.items()
-                if k not in ("refresh_places", "server_seconds_by_operation")
-            }
-            for row in rows
-        ],
+        rows=table_rows(rows),
         columns=BLOCK_COLUMNS,
         extra={
             "backend": backend_name,
@@ -251,27 +233,8 @@ def run_text_ckks_benchmark(
                 "teacher_accuracy": report["teacher_accuracy"],
                 "student_accuracy": report["student_accuracy"],
             },
-            "parameters": {
-                "poly_modulus_degree": params.poly_modulus_degree,
-                "coeff_mod_bit_sizes": list(params.coeff_mod_bit_sizes),
-                "scale_bits": params.scale_bits,
-                "levels_between_refreshes": params.levels_between_refreshes,
-            },
-            "seconds_per_sample_per_block": headline["seconds_per_sample_per_block"],
-            "seconds_per_sample_per_forward": headline["seconds_per_sample_per_block"]
-            * student.num_blocks,
-            "headline_batch_size": headline["batch_size"],
-            "refresh_places": {row["batch_size"]: row["refresh_places"] for row in rows},
-            "server_seconds_by_operation": {
-                row["batch_size"]: row["server_seconds_by_operation"] for row in rows
-            },
-            "refresh_budget": _refresh_budget(params, bound, headline),
-            "flood_slot_std": 2.0**params.flood_bits
-            * math.sqrt(params.poly_modulus_degree / 2)
-            / 2.0**params.scale_bits,
-            "cores_used": _cores_used(backend),
-            "worker_processes": backend.workers if backend.workers >= 2 else 0,
-            "repeats": repeats,
+            **summary,
+            "flood_slot_std": flood_slot_std(params),
             "forward_pass": forward,
         },
         command=command,
