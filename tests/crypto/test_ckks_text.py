@@ -193,3 +193,20 @@ def test_a_batch_over_two_ciphertext_columns_matches_the_plaintext_block(
     got = owner.decrypt(out)
     assert got.shape == expected.shape
     assert np.abs(got - expected).max() <= TOLERANCE["ckks"] * float(np.abs(expected).max())
+
+
+def test_a_layer_norm_weight_of_zero_is_refused_under_ckks(student: FheTextClassifier) -> None:
+    """The residual's LayerNorm affine is a scalar product per feature: a zero weight would be a
+    product SEAL refuses, so it is named before any ciphertext is touched."""
+    from fedfm.crypto.ckks_text import affine
+
+    norm = student.block_modules(0).attention_norm
+    saved = norm.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            norm.weight[3] = 0.0
+        with pytest.raises(ModelError, match="LayerNorm weight of zero"):
+            next(affine(None, norm, 1.0, [], np.ones((1, 8)), "block1/residual"))  # type: ignore[arg-type]
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(saved)
