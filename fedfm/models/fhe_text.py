@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import (
@@ -344,6 +345,32 @@ class FheTextClassifier(nn.Module):
         embeddings: Any = self.encoder.embeddings
         embedded: torch.Tensor = embeddings(input_ids=input_ids)
         return embedded
+
+    def embedding_tables(self) -> tuple[dict[str, np.ndarray], float]:
+        """What a data owner needs to compute :meth:`embed` itself, and the LayerNorm's ``eps``:
+        the token table, the first :attr:`max_tokens` rows of the position table, the segment-0
+        row (zero for models without segments) and the LayerNorm's weight and bias.
+
+        The double-blind protocol sends these to the data owners at setup (a token lookup in a
+        30,522-row table under CKKS is out of reach), so the model owner reveals its embedding
+        layer, and only that (``docs/text_encoder.md``).
+        """
+        embeddings: Any = self.encoder.embeddings
+        word = embeddings.word_embeddings.weight
+        segments = getattr(embeddings, "token_type_embeddings", None)
+        segment = segments.weight[0] if segments is not None else torch.zeros(word.shape[1])
+        norm = embeddings.LayerNorm
+        tables = {
+            "word": word,
+            "position": embeddings.position_embeddings.weight[: self.max_tokens],
+            "segment": segment,
+            "norm_weight": norm.weight,
+            "norm_bias": norm.bias,
+        }
+        arrays = {
+            name: value.detach().cpu().numpy().astype(np.float32) for name, value in tables.items()
+        }
+        return arrays, float(norm.eps)
 
     def block(self, index: int, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Block ``index`` (0-based): ``b_l = B_l(b_{l-1})``; ``key_mask`` from :meth:`key_mask`."""

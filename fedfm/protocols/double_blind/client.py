@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from fedfm.crypto import get_backend
-from fedfm.crypto.backend import CryptoBackend, KeyOwner
+from fedfm.crypto.backend import CryptoBackend, KeyOwner, ModelGeometry
 from fedfm.errors import ConfigError, DataError, FedfmError, ProtocolAbort, ProtocolError
 from fedfm.models.device import to_numpy
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
@@ -65,6 +65,13 @@ from fedfm.protocols.double_blind.messages import (
     unpack_batches,
 )
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
+from fedfm.protocols.double_blind.text import (
+    EMBEDDING,
+    TEXT_INPUT,
+    TextClientData,
+    check_label_order_masks,
+    embed_tokens,
+)
 from fedfm.runtime.transport import Envelope
 from fedfm.secagg import (
     ADVERTISE_KEYS,
@@ -201,6 +208,10 @@ LABEL_TOLERANCE = 0.1
 UPDATE_WEIGHT = "update.num_examples"
 # The held-out batches riding along the training round in flight (config entry, from block 1).
 RIDING = "round.evaluation_batches"
+# What the server's model reads (config entry from setup): ``"text"`` or absent (images).
+INPUT = "input"
+# A text round's key masks in label order, per batch (array group, from the last block).
+KEY_MASKS = "keymask"
 
 
 def run_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -295,7 +306,7 @@ class DoubleBlindClient:
 
     def __init__(
         self,
-        data: ClientData | Callable[[], ClientData],
+        data: ClientData | TextClientData | Callable[[], ClientData | TextClientData],
         backend: CryptoBackend | None = None,
         *,
         policy: DataOwnerPolicy | None = None,
@@ -314,10 +325,10 @@ class DoubleBlindClient:
         self._key_owner: tuple[list[np.ndarray], KeyOwner] | None = None
 
     @property
-    def data(self) -> ClientData:
+    def data(self) -> ClientData | TextClientData:
         """The data owner's data; a callable given for it is called once, when first needed
         (a ClientApp process that only answers a refresh never loads it)."""
-        if not isinstance(self._data, ClientData):
+        if not isinstance(self._data, ClientData | TextClientData):
             self._data = self._data()
         return self._data
 
@@ -399,12 +410,23 @@ class DoubleBlindClient:
             rounds=config.rounds,
         )
         backend = self.backend_for(config.backend)
-        key = backend.create_key_owner(geometry=geometry_from(envelope.config))
+        text = envelope.config.get(INPUT) == TEXT_INPUT
         data, classes = self.data, self.data.num_classes
+        if text != isinstance(data, TextClientData):
+            raise ProtocolError(
+                f"the server's model reads {'texts' if text else 'images'}; this data owner "
+                f"holds {'texts' if isinstance(data, TextClientData) else 'images'}"
+            )
+        geometry = geometry_from(envelope.config)
+        if isinstance(data, TextClientData):
+            inputs, masks = self._embedded(envelope, data, geometry)
+        else:
+            inputs, masks = (data.train_images, data.eval_images), {}
+        key = backend.create_key_owner(geometry=geometry)
         uploads = {
-            "train_images": [key.encrypt(data.train_images)],
+            "train_images": [key.encrypt(inputs[0])],
             "train_labels": [key.encrypt(one_hot(data.train_labels, classes))],
-            "eval_images": [key.encrypt(data.eval_images)],
+            "eval_images": [key.encrypt(inputs[1])],
             "eval_labels": [key.encrypt(one_hot(data.eval_labels, classes))],
         }
         reply = batch_reply(
@@ -417,6 +439,7 @@ class DoubleBlindClient:
             backend=backend.name,
             partition_id=self.partition_id,
         )
+        reply.arrays.update(masks)
         # a new key, the rounds already done stay done
         state = replace(
             state,
@@ -424,10 +447,33 @@ class DoubleBlindClient:
             round=0,
             block=0,
             num_blocks=0,
-            config=config.to_config(),
+            config={**config.to_config(), **({INPUT: TEXT_INPUT} if text else {})},
             arrays=pack_arrays("key", key.secret_state()),
         )
         return reply, state
+
+    def _embedded(
+        self, envelope: Envelope, data: TextClientData, geometry: ModelGeometry | None
+    ) -> tuple[tuple[np.ndarray, np.ndarray], dict[str, np.ndarray]]:
+        """The training and held-out texts embedded with the server's tables, and the key
+        masks to upload: the texts' own, or all real with the policy's ``hide_text_lengths``
+        (the server then learns no length, and the model attends to padding as to text)."""
+        tokens = data.train_tokens.shape[1]
+        if geometry is None or geometry.tokens != tokens:
+            raise ProtocolError(
+                f"the server's text model reads {None if geometry is None else geometry.tokens} "
+                f"tokens per text; this data owner's texts are padded to {tokens}"
+            )
+        eps = envelope.config.get("embedding_eps")
+        tables = unpack_arrays(envelope, EMBEDDING)
+        embedded = (
+            embed_tokens(tables, eps, data.train_tokens),  # type: ignore[arg-type]
+            embed_tokens(tables, eps, data.eval_tokens),  # type: ignore[arg-type]
+        )
+        masks = {"train_key_mask": data.train_key_mask, "eval_key_mask": data.eval_key_mask}
+        if self.policy.hide_text_lengths:
+            masks = {name: np.ones_like(mask) for name, mask in masks.items()}
+        return embedded, masks
 
     def _open_round(self, request: BlockRequest, kind: str, state: ClientState) -> ClientState:
         """Start round ``request.round`` (block 1): only forward, each round trained and
@@ -568,6 +614,13 @@ class DoubleBlindClient:
         relatives = {f"wrap.{i}": w for i, w in enumerate(request.wrap)}
         relatives |= {f"steps.{i}": s for i, s in enumerate(request.steps)}
         state = replace(state, arrays=state.with_group("perm", relatives))
+        if state.config.get(INPUT) == TEXT_INPUT:
+            # mean pooling over real tokens needs every batch's key mask in label order
+            check_label_order_masks(request.key_masks, sizes, int(first["0"].shape[1]))
+            masks = {str(i): mask for i, mask in enumerate(request.key_masks)}
+            state = replace(state, arrays=state.with_group(KEY_MASKS, masks))
+        elif request.key_masks:
+            raise ProtocolError(f"{envelope.message_type}: key masks for an image model")
         # the held-out batches: all of an evaluation's, or the last ones riding along training
         training = len(sizes) - request.evaluation_batches if kind == "train" else 0
         held_out = list(range(training, len(sizes)))
@@ -619,6 +672,8 @@ class DoubleBlindClient:
                 kept[f"{group}.{new}"] = state.group(group)[str(old)]
             for name in ("wrap", "steps"):
                 kept[f"perm.{name}.{new}"] = state.group("perm")[f"{name}.{old}"]
+            if str(old) in state.group(KEY_MASKS):
+                kept[f"{KEY_MASKS}.{new}"] = state.group(KEY_MASKS)[str(old)]
             kept[f"labels.{new}"] = labels[new]
         if held_out[0] > 0:  # riding along: the training batches stay for the loss
             for old in held_out:
@@ -626,6 +681,7 @@ class DoubleBlindClient:
                     del arrays[f"{group}.{old}"]
                 for name in ("wrap", "steps"):
                     del arrays[f"perm.{name}.{old}"]
+                arrays.pop(f"{KEY_MASKS}.{old}", None)
         state = replace(state, arrays=arrays)
         return replace(state, arrays=state.with_group(KEPT, kept))
 
@@ -856,6 +912,7 @@ class DoubleBlindClient:
             num_classes=self.data.num_classes,
             rank=config.rank,
             alpha=config.alpha,
+            pooling="mean" if state.config.get(INPUT) == TEXT_INPUT else "class-token",
         )
         model.set_arrays(params)
         return model.to(self.device)
@@ -865,6 +922,7 @@ class DoubleBlindClient:
     ) -> list[torch.Tensor]:
         model = model or self._adapter(state)
         perms = state.group("perm")
+        masks = state.group(KEY_MASKS)
         outputs = []
         for i in range(count):
             blocks = [
@@ -873,7 +931,8 @@ class DoubleBlindClient:
             ]
             wrap = torch.from_numpy(perms[f"wrap.{i}"]).to(self.device)
             steps = torch.from_numpy(perms[f"steps.{i}"]).to(self.device)
-            outputs.append(model(blocks, wrap, steps))
+            mask = torch.from_numpy(masks[str(i)]).to(self.device) if masks else None
+            outputs.append(model(blocks, wrap, steps, mask))
         return outputs
 
 

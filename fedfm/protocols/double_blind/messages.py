@@ -87,7 +87,7 @@ def geometry_from(config: dict[str, ConfigValue]) -> ModelGeometry | None:
 def require_config(envelope: Envelope, key: str, kind: type) -> ConfigValue:
     """A config value of the given type, or a :class:`ProtocolError` naming what is wrong."""
     value = envelope.config.get(key)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    if value is None or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ProtocolError(
             f"{envelope.message_type} needs config {key!r} of type {kind.__name__}, got {value!r}"
         )
@@ -140,6 +140,8 @@ class BlockRequest:
     steps: list[np.ndarray] = field(default_factory=list)
     labels: list[EncryptedBatch] = field(default_factory=list)
     evaluation_batches: int = 0
+    # a text model's last block: each batch's key mask in label order (plaintext booleans)
+    key_masks: list[np.ndarray] = field(default_factory=list)
 
     def sets(self) -> list[list[int]]:
         """The batch indices of each set."""
@@ -157,12 +159,15 @@ class BlockRequest:
         for index, (wrap, steps) in enumerate(zip(self.wrap, self.steps, strict=True)):
             arrays[f"wrap.{index}"] = wrap.astype(np.int64)
             arrays[f"steps.{index}"] = steps.astype(np.int64)
-        config = {
+        for index, mask in enumerate(self.key_masks):
+            arrays[f"key_mask.{index}"] = mask.astype(np.bool_)
+        config: dict[str, ConfigValue] = {
             "block": self.block,
             "num_blocks": self.num_blocks,
             "num_batches": len(self.batch_sizes),
             "num_sets": len(self.batches),
             "has_labels": bool(self.labels),
+            "has_key_masks": bool(self.key_masks),
             "evaluation_batches": self.evaluation_batches,
         }
         return Envelope(self.message_type, self.node_id, self.round, arrays, config)
@@ -196,6 +201,11 @@ class BlockRequest:
         if any(value is None for value in wrap + steps):
             raise ProtocolError(f"{envelope.message_type}: the last block lacks permutations")
         has_labels = bool(envelope.config.get("has_labels", False))
+        key_masks = []
+        if last and envelope.config.get("has_key_masks", False) is True:
+            key_masks = [envelope.arrays.get(f"key_mask.{i}") for i in range(count)]
+            if any(mask is None for mask in key_masks):
+                raise ProtocolError(f"{envelope.message_type}: the last block lacks key masks")
         request = cls(
             message_type=envelope.message_type,
             node_id=envelope.node_id,
@@ -210,6 +220,7 @@ class BlockRequest:
             steps=steps,  # type: ignore[arg-type]
             labels=unpack_batches(envelope, "labels", num_sets, load) if has_labels else [],
             evaluation_batches=riding,
+            key_masks=key_masks,  # type: ignore[arg-type]
         )
         for packed in (request.batches, request.labels):
             for batch, members in zip(packed, request.sets(), strict=False):

@@ -23,6 +23,10 @@ node config key                   default    meaning
                                              ``allow-plaintext``); e.g. ``ckks`` refuses
                                              ``ckks-8192``, whose refresh budget is 2^-30 per
                                              run instead of 2^-40 (``docs/ckks.md``)
+``hide-text-lengths``             false      a text model: upload all-true key masks, so the
+                                             server learns no text's length (the model then
+                                             attends to padding as to text: its outputs, and
+                                             the accuracy, change)
 ================================  =========  =================================================
 """
 
@@ -49,6 +53,7 @@ class DataOwnerPolicy:
     max_revealed_blocks: int = 0
     max_rounds: int = 0
     backends: str = ""
+    hide_text_lengths: bool = False
 
     @property
     def accepted_backends(self) -> frozenset[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,12 +37,15 @@ from fedfm.protocols.double_blind.driver import (
 )
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.server import DoubleBlindServer
+from fedfm.protocols.double_blind.text import TextClientData
 from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.local import LocalNode
 from fedfm.runtime.transport import Envelope, InProcessTransport
 from fedfm.secagg import KeyAuthentication
 
 if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
+    from fedfm.data.text_task import TokenizedTexts
+    from fedfm.models.fhe_text import FheTextClassifier
     from fedfm.models.fhe_vit import FheViT
 
 
@@ -94,8 +97,60 @@ def federation_data(
     ]
 
 
+def text_client_data(
+    pool: TokenizedTexts,
+    indices: np.ndarray,
+    *,
+    pad_token_id: int,
+    eval_fraction: float,
+    seed: int,
+) -> TextClientData:
+    """One client's share of a text pool (key masks: tokens other than ``pad_token_id``),
+    split (seeded) into its training and held-out texts as :func:`client_data` splits images."""
+    order = np.random.default_rng(seed).permutation(np.asarray(indices))
+    held_out = round(len(order) * eval_fraction)
+    train, evaluation = order[held_out:], order[:held_out]
+    ids, labels = pool.input_ids.numpy(), pool.labels.numpy()
+    return TextClientData(
+        train_tokens=ids[train],
+        train_key_mask=ids[train] != pad_token_id,
+        train_labels=labels[train],
+        eval_tokens=ids[evaluation],
+        eval_key_mask=ids[evaluation] != pad_token_id,
+        eval_labels=labels[evaluation],
+        num_classes=pool.num_classes,
+    )
+
+
+def text_federation_data(
+    pool: TokenizedTexts,
+    federation: Federation,
+    config: DoubleBlindConfig,
+    *,
+    pad_token_id: int,
+) -> list[TextClientData]:
+    """Every client's texts, in partition order (flwr-datasets partitioners, as for images)."""
+    parts = partition(
+        pool,
+        num_partitions=federation.num_clients,
+        scheme=federation.scheme,
+        alpha=federation.alpha,
+        seed=federation.seed,
+    )
+    return [
+        text_client_data(
+            pool,
+            part,
+            pad_token_id=pad_token_id,
+            eval_fraction=config.eval_fraction,
+            seed=federation.seed + i,
+        )
+        for i, part in enumerate(parts)
+    ]
+
+
 def place_server_model(
-    model: FheViT,
+    model: FheViT | FheTextClassifier,
     backend: str,
     device: str | torch.device | None,
     *,
@@ -116,7 +171,7 @@ def place_server_model(
 
 @contextmanager
 def server_model_on(
-    model: FheViT,
+    model: FheViT | FheTextClassifier,
     backend: str,
     device: str | torch.device | None,
     *,
@@ -161,13 +216,52 @@ def run_in_process(
     (for the run; it is back where it was afterwards); CKKS evaluates on the CPU.
     ``progress_every``: seconds between progress lines within a phase (``run_double_blind``).
     """
+    return run_clients_in_process(
+        model,
+        federation_data(splits, federation, config),
+        config,
+        num_classes=splits.pool.num_classes,
+        identity={"config": config.to_config(), "federation": asdict(federation)},
+        aggregator=aggregator,
+        checkpoint_dir=checkpoint_dir,
+        drop=drop,
+        policy=policy,
+        randomness=randomness,
+        log=log,
+        secagg_authentication=secagg_authentication,
+        device=device,
+        progress_every=progress_every,
+    )
+
+
+def run_clients_in_process(
+    model: FheViT | FheTextClassifier,
+    datasets: Sequence[ClientData | TextClientData],
+    config: DoubleBlindConfig,
+    *,
+    num_classes: int,
+    identity: dict[str, Any],
+    aggregator: Aggregator | None = None,
+    checkpoint_dir: Path | None = None,
+    drop: Callable[[Envelope], bool] | None = None,
+    policy: DataOwnerPolicy | None = None,
+    randomness: RandomSource | None = None,
+    log: Callable[[str], None] = print,
+    secagg_authentication: Sequence[KeyAuthentication] | None = None,
+    device: str | torch.device | None = "auto",
+    progress_every: float = PROGRESS_SECONDS,
+) -> tuple[list[RoundRecord], InProcessTransport]:
+    """:func:`run_in_process` on given data owners' data (in partition order): images for a
+    ViT, :class:`~fedfm.protocols.double_blind.text.TextClientData` for a text encoder.
+    ``identity`` names the run in its checkpoints (a resumed run must match it)."""
     backend = get_backend(config.backend)
     with server_model_on(model, backend.name, device, log=log) as target:
         return _run_in_process(
             model,
-            splits,
+            datasets,
             config,
-            federation,
+            num_classes=num_classes,
+            identity=identity,
             backend=backend,
             device=target,
             aggregator=aggregator,
@@ -182,11 +276,12 @@ def run_in_process(
 
 
 def _run_in_process(
-    model: FheViT,
-    splits: DataSplits,
+    model: FheViT | FheTextClassifier,
+    datasets: Sequence[ClientData | TextClientData],
     config: DoubleBlindConfig,
-    federation: Federation,
     *,
+    num_classes: int,
+    identity: dict[str, Any],
     backend: CryptoBackend,
     device: torch.device,
     aggregator: Aggregator | None,
@@ -198,7 +293,6 @@ def _run_in_process(
     secagg_authentication: Sequence[KeyAuthentication] | None,
     progress_every: float,
 ) -> tuple[list[RoundRecord], InProcessTransport]:
-    datasets = federation_data(splits, federation, config)
     if secagg_authentication is None:
         chosen = list(signed_federation(range(len(datasets))).values())
     elif len(secagg_authentication) != len(datasets):
@@ -227,7 +321,7 @@ def _run_in_process(
         model,
         config,
         backend,
-        num_classes=splits.pool.num_classes,
+        num_classes=num_classes,
         randomness=randomness,
         log=log,
     )
@@ -237,7 +331,7 @@ def _run_in_process(
         transport.node_ids(),
         aggregator=aggregator,
         checkpoint_dir=checkpoint_dir,
-        identity={"config": config.to_config(), "federation": asdict(federation)},
+        identity=identity,
         log=log,
         progress_every=progress_every,
     )

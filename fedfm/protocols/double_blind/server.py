@@ -72,10 +72,19 @@ from fedfm.protocols.double_blind.permutation import (
     draw_round_permutations,
     relative,
 )
+from fedfm.protocols.double_blind.text import (
+    TEXT_INPUT,
+    check_uploaded_masks,
+    embedding_arrays,
+    is_text_model,
+)
 from fedfm.runtime.transport import Envelope
 
 if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
+    from fedfm.models.fhe_text import FheTextClassifier
     from fedfm.models.fhe_vit import FheViT
+
+    ServerModel = FheViT | FheTextClassifier
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,8 @@ class _InFlight:
     # held-out batches riding along a training round (the last ones of ``indices``, as rows of
     # the joined upload); 0 once the client said it kept their outputs
     evaluation_batches: int = 0
+    # a text model: the key masks of the upload ``indices`` select from (plaintext)
+    key_masks: np.ndarray | None = None
 
     def packed(self, per_batch: list[np.ndarray], offsets: bool = False) -> list[np.ndarray]:
         """Per-batch index arrays joined per set; with ``offsets`` each batch's (orders within
@@ -134,8 +145,11 @@ class _InFlight:
         return joined
 
 
-def model_geometry(model: FheViT) -> ModelGeometry:
-    """Tokens per sample and patch size of ``model``: what a packing data owner needs."""
+def model_geometry(model: ServerModel) -> ModelGeometry:
+    """Tokens per sample and patch size of ``model``: what a packing data owner needs (a text
+    model's "patch" is one token)."""
+    if is_text_model(model):
+        return ModelGeometry(int(model.max_tokens), 1)
     embed = model.vit.patch_embed
     return ModelGeometry(embed.num_patches + model.vit.num_prefix_tokens, embed.patch_size[0])
 
@@ -146,7 +160,7 @@ class ClientSession:
 
     evaluator: Evaluator
     # the uploaded patches as they came (n, C, H, W): each round selects its batches from them
-    # and embeds only those
+    # and embeds only those; a text model's embedded tokens (n, T, D)
     train_images: EncryptedBatch
     train_labels: EncryptedBatch
     eval_images: EncryptedBatch
@@ -162,6 +176,22 @@ class ClientSession:
     # samples start (:meth:`~fedfm.crypto.backend.Evaluator.join`): made for the first round
     # the held-out set rides along
     joined: tuple[EncryptedBatch, EncryptedBatch, int] | None = None
+    # a text model: the uploaded key masks (n, T), True at real tokens
+    train_key_mask: np.ndarray | None = None
+    eval_key_mask: np.ndarray | None = None
+
+    def key_masks(self, kind: str, joined: bool = False) -> np.ndarray | None:
+        """The key masks of the upload a ``kind`` round selects from (of the joined upload, rows
+        as :meth:`joined_uploads` has them, with ``joined``); ``None`` for images."""
+        if self.train_key_mask is None or self.eval_key_mask is None:
+            return None
+        if not joined:
+            return self.train_key_mask if kind == "train" else self.eval_key_mask
+        offset = self.joined_uploads()[2]
+        rows = np.ones((offset + self.num_eval, self.train_key_mask.shape[1]), dtype=np.bool_)
+        rows[: self.num_train] = self.train_key_mask
+        rows[offset:] = self.eval_key_mask
+        return rows
 
     def joined_uploads(self) -> tuple[EncryptedBatch, EncryptedBatch, int]:
         """Training and held-out images, then labels, in one batch each; the held-out offset."""
@@ -188,7 +218,7 @@ class DoubleBlindServer:
 
     def __init__(
         self,
-        model: FheViT,
+        model: ServerModel,
         config: DoubleBlindConfig,
         backend: CryptoBackend,
         *,
@@ -207,10 +237,13 @@ class DoubleBlindServer:
         self.sessions: dict[int, ClientSession] = {}
         self.geometry = model_geometry(model)
         self.revealed = revealed_blocks(config.reveal, model.num_blocks)
+        self.text = is_text_model(model)
 
     @property
     def hidden_size(self) -> int:
         """Width ``D`` of the hidden states the side adapter reads."""
+        if self.text:
+            return int(self.model.hidden_size)
         return int(self.model.vit.embed_dim)
 
     @property
@@ -230,7 +263,13 @@ class DoubleBlindServer:
     # -- setup -----------------------------------------------------------------------------------
     def setup_request(self, node_id: int) -> Envelope:
         settings = {**self.config.client_settings(), **geometry_config(self.geometry)}
-        return Envelope(SETUP, node_id, 0, {}, settings)
+        if not self.text:
+            return Envelope(SETUP, node_id, 0, {}, settings)
+        # the data owner embeds its tokens itself (spec 001 embeds on the server: a token lookup
+        # under CKKS is out of reach), so the model owner reveals its embedding layer
+        tables, eps = embedding_arrays(self.model)
+        settings |= {"input": TEXT_INPUT, "embedding_eps": eps}
+        return Envelope(SETUP, node_id, 0, tables, settings)
 
     def on_setup(self, reply: Envelope) -> None:
         """Register a client from its uploads. The spec embeds them once, here (§3.2); fedfm keeps
@@ -250,6 +289,9 @@ class DoubleBlindServer:
         }
         num_train = int(require_config(reply, "num_train", int))
         num_eval = int(require_config(reply, "num_eval", int))
+        if self.text:
+            self._register_text(reply, evaluator, uploads, num_train, num_eval)
+            return
         embed = self.model.vit.patch_embed
         size = embed.img_size if embed.img_size is not None else (None, None)
         image_shape = (embed.proj.in_channels, *size)
@@ -280,6 +322,41 @@ class DoubleBlindServer:
             order_key=int(reply.config.get("partition_id", -1)),
         )
 
+    def _register_text(
+        self,
+        reply: Envelope,
+        evaluator: Evaluator,
+        uploads: dict[str, EncryptedBatch],
+        num_train: int,
+        num_eval: int,
+    ) -> None:
+        """Register a text client: embedded tokens ``(n, T, D)`` and key masks per upload."""
+        shape = (self.geometry.tokens, self.hidden_size)
+        masks = {}
+        for name, count in (("train", num_train), ("eval", num_eval)):
+            hidden, labels = uploads[f"{name}_images"], uploads[f"{name}_labels"]
+            if tuple(hidden.shape) != (count, *shape) or labels.shape != (count, self.num_classes):
+                raise ProtocolError(
+                    f"{name} upload has hidden states {hidden.shape} and labels {labels.shape}, "
+                    f"expected {(count, *shape)} (texts, tokens, width) and "
+                    f"{(count, self.num_classes)}"
+                )
+            masks[name] = check_uploaded_masks(
+                reply.arrays.get(f"{name}_key_mask"), count, shape[0], f"the {name} upload's"
+            )
+        self.sessions[reply.node_id] = ClientSession(
+            evaluator=evaluator,
+            train_images=uploads["train_images"],
+            train_labels=uploads["train_labels"],
+            eval_images=uploads["eval_images"],
+            eval_labels=uploads["eval_labels"],
+            num_train=num_train,
+            num_eval=num_eval,
+            order_key=int(reply.config.get("partition_id", -1)),
+            train_key_mask=masks["train"],
+            eval_key_mask=masks["eval"],
+        )
+
     def initial_arrays(self, dim: int) -> dict[str, np.ndarray]:
         """The round-1 global adapter and head, initialised from the server's stream (every
         client receives them, so they are not secret once drawn)."""
@@ -291,6 +368,7 @@ class DoubleBlindServer:
                 num_classes=self.num_classes,
                 rank=self.config.rank,
                 alpha=self.config.alpha,
+                pooling="mean" if self.text else "class-token",
             )
         return adapter.get_arrays()
 
@@ -345,12 +423,14 @@ class DoubleBlindServer:
                 {"num_blocks": self.num_blocks},
             )
         inputs = session.train_images if kind == "train" else session.eval_images
+        key_masks = session.key_masks(kind)
         riding = 0
         held_out = self._batches("evaluate", session) if kind == "train" else None
         if with_evaluation and not session.evaluation_kept and held_out is not None:
             inputs, _, offset = session.joined_uploads()
             indices = [*indices, *(batch + offset for batch in held_out)]
             riding = len(held_out)
+            key_masks = session.key_masks(kind, joined=True)
         permutations = [
             draw_round_permutations(
                 self.num_blocks, len(batch), self.rng, permute=self.config.permute
@@ -359,7 +439,15 @@ class DoubleBlindServer:
         ]
         sets = pack_sets([len(batch) for batch in indices], session.evaluator.samples_per_set)
         session.in_flight = _InFlight(
-            kind, server_round, 0, indices, permutations, [], sets, evaluation_batches=riding
+            kind,
+            server_round,
+            0,
+            indices,
+            permutations,
+            [],
+            sets,
+            evaluation_batches=riding,
+            key_masks=key_masks,
         )
         return self._advance(session, self._start_stage(node_id, session, inputs, global_arrays))
 
@@ -427,6 +515,9 @@ class DoubleBlindServer:
         evaluator = session.evaluator
         works = [evaluator.take(inputs, rows) for rows in flight.packed(flight.indices)]
         selected = yield from self._refreshing(node_id, session, lockstep(works))
+        if self.text:  # the data owner uploaded embedded tokens
+            flight.current = selected
+            return (yield from self._block_stage(node_id, session, global_arrays))
         # Select from the patches, then embed: the selection's Benes network permutes
         # C * p * p ciphertexts per set instead of the embedding's D (48 instead of 96 for the
         # default tiny ViT), and under CKKS each of its layers is a refresh of all of them.
@@ -445,8 +536,16 @@ class DoubleBlindServer:
         # the model's blocks up to the next revealed one, chained on ciphertexts
         first = self.revealed[block - 2] if block > 1 else 0
         evaluated = flight.current
+        # a text model's key masks follow the rows: in order pi_{block-1} (block 1: as drawn)
+        masks = self._key_masks_in_order(flight, block - 1)
         for index in range(first, self.revealed[block - 1]):
-            works = [evaluator.evaluate_block(self.model, index, b) for b in evaluated]
+            if masks is None:
+                works = [evaluator.evaluate_block(self.model, index, b) for b in evaluated]
+            else:
+                works = [
+                    evaluator.evaluate_text_block(self.model, index, b, m)
+                    for b, m in zip(evaluated, masks, strict=True)
+                ]
             evaluated = yield from self._refreshing(node_id, session, lockstep(works))
         orders = []
         for perms in flight.permutations:
@@ -488,8 +587,28 @@ class DoubleBlindServer:
             steps=[view["steps"] for view in views],
             labels=labels,
             evaluation_batches=flight.evaluation_batches,
+            key_masks=(self._key_masks_in_order(flight, block + 1, per_batch=True) or [])
+            if last
+            else [],
         )
         return request.to_envelope()
+
+    @staticmethod
+    def _key_masks_in_order(
+        flight: _InFlight, after: int, *, per_batch: bool = False
+    ) -> list[np.ndarray] | None:
+        """A text round's key masks in the rows' order after permutation ``pi_after`` (0: as
+        drawn), per set (or ``per_batch``); ``None`` for images or before the last block when
+        ``per_batch`` (only the last block carries them to the client)."""
+        if flight.key_masks is None:
+            return None
+        rows = [
+            batch if after == 0 else batch[perms.after_block(after)]
+            for batch, perms in zip(flight.indices, flight.permutations, strict=True)
+        ]
+        if per_batch:
+            return [flight.key_masks[r] for r in rows]
+        return [flight.key_masks[r] for r in flight.packed(rows)]
 
     def on_reply(self, reply: Envelope) -> Envelope | ClientUpdate | EvaluationResult:
         """Consume a client's reply: the next request, or the client's result for the round."""
