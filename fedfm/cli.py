@@ -677,6 +677,7 @@ def _paper_text(args: argparse.Namespace) -> None:
         command=args.command_line,
         progress=not args.no_progress,
         run_missing=not args.kept_only,
+        protocol=args.protocol,
     )
 
 
@@ -1125,6 +1126,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run nothing: write the table from the finished cells (a long run so far)",
     )
     paper_text.add_argument("--no-progress", action="store_true", help="one line per cell")
+    paper_text.add_argument(
+        "--protocol",
+        action="store_true",
+        help="ours and linear probing through the double-blind protocol itself (simulate "
+        "backend, secure aggregation; slower): results/text_adaptation_protocol.*",
+    )
     paper_text.set_defaults(handler=_paper_text)
 
     train_llm = commands.add_parser(

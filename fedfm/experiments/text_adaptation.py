@@ -242,6 +242,89 @@ def train_adapter(
     return history.record(model)
 
 
+def protocol_adapter(
+    student: FheTextClassifier,
+    splits: TextSplits,
+    parts: Sequence[np.ndarray],
+    config: DoubleBlindConfig,
+    *,
+    seed: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """``ours`` or linear probing through the double-blind protocol itself: every client a
+    :class:`~fedfm.protocols.double_blind.runner.run_clients_in_process` data owner (messages,
+    permutations, the ``simulate`` backend, secure aggregation), the server's draws from a
+    research stream of ``seed``.
+
+    Each client holds its partition of the pool for training and an equal share of the test
+    texts as its held-out set, so the protocol's own evaluation (the clients' confusion matrices
+    summed) is the global model on the whole test split, as :func:`train_adapter` measures it.
+    Ours reveals every block's output (its adapters tap all six), linear probing only the last.
+    """
+    from fedfm.crypto.randomness import ResearchStream
+    from fedfm.protocols.double_blind.policy import DataOwnerPolicy
+    from fedfm.protocols.double_blind.runner import run_clients_in_process
+    from fedfm.protocols.double_blind.text import TextClientData
+
+    config = replace(config, backend="simulate", reveal="all" if config.rank else "last")
+    holders = [part for part in parts if len(part)]
+    shares = np.array_split(np.random.default_rng(seed).permutation(len(splits.test)), len(holders))
+    pad = student.pad_token_id
+
+    def texts(
+        source: TokenizedTexts, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids = source.input_ids.numpy()[rows]
+        return ids, ids != pad, source.labels.numpy()[rows]
+
+    datasets = []
+    for part, share in zip(holders, shares, strict=True):
+        train_ids, train_mask, train_labels = texts(splits.pool, part)
+        test_ids, test_mask, test_labels = texts(splits.test, share)
+        datasets.append(
+            TextClientData(
+                train_ids,
+                train_mask,
+                train_labels,
+                test_ids,
+                test_mask,
+                test_labels,
+                num_classes=len(splits.classes),
+            )
+        )
+    records, _ = run_clients_in_process(
+        student,
+        datasets,
+        config,
+        num_classes=len(splits.classes),
+        identity={"config": config.to_config(), "seed": seed},
+        # the experimenter plays every data owner: plaintext (simulate) by its own choice
+        policy=DataOwnerPolicy(allow_plaintext=True),
+        randomness=ResearchStream(seed),
+        log=log,
+        device="cpu",
+    )
+    history = _History()
+    for record in records:
+        history.add(record.balanced_accuracy, record.train_loss, record.clients_trained)
+    adapter = SideAdapterHead(
+        num_blocks=student.num_blocks if config.rank else 1,
+        dim=student.hidden_size,
+        num_classes=len(splits.classes),
+        rank=config.rank,
+        alpha=config.alpha,
+        pooling="mean",
+    )
+    return {
+        **history.record(adapter),
+        "runner": "protocol",
+        "backend": config.backend,
+        "secure_aggregation": config.secure_aggregation,
+        "reveal": config.reveal,
+        "failures": [failure for record in records for failure in record.failures],
+    }
+
+
 def _by_length(
     batches: list[np.ndarray], lengths: np.ndarray, order: np.random.Generator
 ) -> list[np.ndarray]:
@@ -367,8 +450,12 @@ def run_text_cell(
     features: tuple[TextFeatures, TextFeatures] | None,
     *,
     log: Callable[[str], None],
+    protocol: bool = False,
 ) -> dict[str, Any]:
-    """One method on one federation with one seed; the record kept in the cell's file."""
+    """One method on one federation with one seed; the record kept in the cell's file.
+
+    ``protocol``: ours and linear probing run the double-blind protocol
+    (:func:`protocol_adapter`) instead of its client rule on cached block outputs."""
     started = time.perf_counter()
     parts = partition(
         splits.pool,
@@ -380,6 +467,8 @@ def run_text_cell(
     config = table_config(spec, setting, method)
     if method == "full-finetune":
         result = finetune_text(student, splits.pool, splits.test, parts, config, seed=seed, log=log)
+    elif protocol:
+        result = protocol_adapter(student, splits, parts, config, seed=seed, log=log)
     else:
         if features is None:
             raise ConfigError(f"{method} needs the student's block outputs")
@@ -449,9 +538,14 @@ def summarize_text(
     return rows, by_setting
 
 
-def plot_text_curves(spec: TableSpec, cells: list[dict[str, Any]], results_dir: Path) -> Path:
+def plot_text_curves(
+    spec: TableSpec,
+    cells: list[dict[str, Any]],
+    results_dir: Path,
+    name: str = "text_adaptation",
+) -> Path:
     """Test balanced accuracy per round, mean over the seeds, one panel per setting:
-    ``results/text_adaptation.png``."""
+    ``results/<name>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -481,7 +575,7 @@ def plot_text_curves(spec: TableSpec, cells: list[dict[str, Any]], results_dir: 
         axis.legend(fontsize="small")
     figure.tight_layout()
     results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / "text_adaptation.png"
+    path = results_dir / f"{name}.png"
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
@@ -497,18 +591,24 @@ def run_text_table(
     command: str | None = None,
     progress: bool = True,
     run_missing: bool = True,
+    protocol: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, dict[str, Any]]:
     """Every cell of ``spec`` (finished ones read back from ``workdir``), then
     ``results/text_adaptation.{json,md,png}``; returns the per-setting summaries.
 
     ``run_missing=False`` runs nothing: the results summarise the finished cells (each entry
-    names its seeds; the JSON lists the missing cells), a table of a long run so far."""
+    names its seeds; the JSON lists the missing cells), a table of a long run so far.
+
+    ``protocol=True`` runs ours and linear probing through the double-blind protocol
+    (:func:`protocol_adapter`; cells in ``<workdir>/<table>-protocol``, results
+    ``text_adaptation_protocol.*``); full fine-tuning is the same plaintext FedAvg either way."""
     for method in spec.methods:
         if method not in TEXT_METHODS:
             raise ConfigError(f"unknown method {method!r}; choose from {list(TEXT_METHODS)}")
-    folder = workdir / spec.name
+    folder = workdir / (f"{spec.name}-protocol" if protocol else spec.name)
     folder.mkdir(parents=True, exist_ok=True)
+    name = "text_adaptation_protocol" if protocol else "text_adaptation"
     students: dict[str, tuple[FheTextClassifier, dict[str, Any], TextSplits]] = {}
     features: dict[str, tuple[TextFeatures, TextFeatures]] = {}
     plan = [(m, s, seed) for s in spec.settings for m in spec.methods for seed in spec.seeds]
@@ -534,7 +634,7 @@ def run_text_table(
             student, report = kept_text_student(run, student_dir, progress=progress, log=log)
             students[source] = (student, report, text_splits(run))
         student, _, splits = students[source]
-        if method != "full-finetune" and source not in features:
+        if method != "full-finetune" and not protocol and source not in features:
             started = time.perf_counter()
             features[source] = (
                 block_features(student, splits.pool),
@@ -546,7 +646,15 @@ def run_text_table(
             )
         log(f"{where} ...")
         record = run_text_cell(
-            method, setting, seed, spec, student, splits, features.get(source), log=quiet
+            method,
+            setting,
+            seed,
+            spec,
+            student,
+            splits,
+            features.get(source),
+            log=quiet,
+            protocol=protocol,
         )
         record["student"] = student_file
         write_atomically(path, record)
@@ -564,10 +672,21 @@ def run_text_table(
         source: _student_summary(report) for source, (_, report, _) in students.items()
     } or _reports_of_kept(spec, student_dir, model)
     beaten = [s for s in by_setting.values() if s.get("ours_beats_linear_probe")]
+    runner = (
+        "Ours and linear probing: the double-blind protocol in one process (messages, "
+        "permutations, the simulate backend, secure aggregation; each client holds out an "
+        "equal share of the test texts, so the protocol's own evaluation is the test split)"
+        if protocol
+        else (
+            "Ours and linear probing: the protocol's client rule on the frozen student's block "
+            "outputs in plaintext (no encryption, no messages; `fedfm paper-text --protocol` "
+            "runs the protocol itself)"
+        )
+    )
     write_results(
         results_dir,
-        "text_adaptation",
-        title=spec.title,
+        name,
+        title=spec.title + (" (through the protocol)" if protocol else ""),
         description=(
             f"Balanced accuracy (%) on the held-out test texts after {spec.rounds} rounds, mean ± "
             f"std over seeds {list(spec.seeds)} (partition, batch draws and initialisation). "
@@ -579,10 +698,8 @@ def run_text_table(
             )
             + f"). Pool {TEXT_SPLIT['pool_per_class']} texts per family, batches of "
             f"{sorted({s.batch_size for s in spec.settings})}, {BATCHES_PER_ROUND} per client and "
-            f"round, learning-rate decay x0.1 at 50% and 80%: {spec.lr_decay}. Ours and linear "
-            "probing: the protocol's client rule on the frozen student's block outputs in "
-            "plaintext (the double-blind protocol does not carry text yet: no encryption, no "
-            "messages); full fine-tuning: plaintext FedAvg of the whole student. Ours beats "
+            f"round, learning-rate decay x0.1 at 50% and 80%: {spec.lr_decay}. {runner}; "
+            "full fine-tuning: plaintext FedAvg of the whole student. Ours beats "
             f"linear probing by more than the sum of the standard deviations in {len(beaten)} of "
             f"{len(by_setting)} settings."
             + (
@@ -601,7 +718,11 @@ def run_text_table(
             ("clients_trained_per_round", "clients trained / round"),
         ],
         extra={
-            "backend": "plaintext (torch; the protocol's training rule, no encryption)",
+            "backend": (
+                "simulate (the double-blind protocol's messages, plaintext values)"
+                if protocol
+                else "plaintext (torch; the protocol's training rule, no encryption)"
+            ),
             "missing_cells": missing,
             "settings": by_setting,
             "students": reports,
@@ -611,8 +732,8 @@ def run_text_table(
         },
         command=command,
     )
-    path = plot_text_curves(spec, list(cells.values()), results_dir)
-    log(f"[fedfm] wrote {results_dir / 'text_adaptation.json'}, .md and {path}")
+    path = plot_text_curves(spec, list(cells.values()), results_dir, name)
+    log(f"[fedfm] wrote {results_dir / (name + '.json')}, .md and {path}")
     return by_setting
 
 

@@ -291,3 +291,45 @@ def test_a_kept_student_is_read_back_and_a_foreign_one_refused(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="is not a kept text student"):
         kept_text_student(run, tmp_path, log=lambda _: None)
     assert len(calls) == 1  # a bad file is reported, never silently distilled over
+
+
+def test_the_protocol_table_runs_ours_and_probing_through_the_protocol(
+    tmp_path, monkeypatch
+) -> None:
+    """``--protocol``: ours and linear probing run the double-blind protocol (messages,
+    permutations, secure aggregation) and learn; the protocol's own evaluation on the clients'
+    shares of the test texts is the table's metric; the cells and results are kept apart from
+    the plaintext table's."""
+    student = to_fhe_text(
+        tiny_bert(), ApproxConfig.exact(), num_classes=CLASSES, pad_token_id=PAD, max_tokens=12
+    ).eval()
+    pool, test = tiny_texts(96, 1), tiny_texts(40, 2)
+    _patched_table(monkeypatch, student, TextSplits(("a", "b", "c"), 12, pool, pool, test, pool))
+    spec = replace(
+        load_table("text", seeds=[0], rounds=4),
+        methods=("linear-probe", "ours"),
+        settings=(Setting("K=2 iid", 2, "iid", 1.0, 16, "stdlib"),),
+    )
+    summary = run_text_table(
+        spec,
+        student_dir=tmp_path / "s",
+        workdir=tmp_path / "cells",
+        results_dir=tmp_path / "r",
+        protocol=True,
+        log=lambda _: None,
+    )
+    report = json.loads((tmp_path / "r" / "text_adaptation_protocol.json").read_text())
+    assert (
+        report["backend"].startswith("simulate")
+        and not (tmp_path / "r" / "text_adaptation.json").exists()
+    )
+    cells = {cell["method"]: cell for cell in report["cells"]}
+    assert cells["ours"]["reveal"] == "all" and cells["linear-probe"]["reveal"] == "last"
+    for cell in cells.values():
+        assert cell["runner"] == "protocol" and cell["secure_aggregation"] and not cell["failures"]
+        losses = cell["train_loss_per_round"]
+        assert losses[-1] < losses[0] and cell["clients_trained"] == [2] * 4
+        assert 0.0 <= cell["test_balanced_accuracy"] <= 1.0
+    probe = summary["K=2 iid"]["linear_probe"]["trainable_parameters"]
+    assert probe == 16 * 2 + 16 * 3 + 3  # LayerNorm and head, as the plaintext path counts
+    assert (tmp_path / "cells" / "text-protocol").is_dir()

@@ -105,10 +105,12 @@ def test_client_embeds_as_the_model_does(student) -> None:
         embed_tokens({k.split(".", 1)[1]: v for k, v in tables.items()}, eps, ids + 60)
 
 
-def _plaintext_step(student, data, batches, initial, lr):
-    """The plaintext SGD step of the mean-pooled adapters on ``batches`` of training texts."""
+def _plaintext_step(student, data, batches, initial, lr, *, last_only=False):
+    """The plaintext SGD step of the mean-pooled adapters on ``batches`` of training texts
+    (``last_only``: on the last block's output alone)."""
+    taps = [student.num_blocks - 1] if last_only else list(range(student.num_blocks))
     adapter = SideAdapterHead(
-        num_blocks=student.num_blocks, dim=WIDTH, num_classes=CLASSES, rank=8, pooling="mean"
+        num_blocks=len(taps), dim=WIDTH, num_classes=CLASSES, rank=8, pooling="mean"
     )
     adapter.set_arrays(initial)
     losses = []
@@ -119,9 +121,10 @@ def _plaintext_step(student, data, batches, initial, lr):
             hidden, outputs = student.embed(ids), []
             for index in range(student.num_blocks):
                 hidden = student.block(index, hidden, mask)
-                outputs.append(hidden)
+                if index in taps:
+                    outputs.append(hidden)
         identity = torch.arange(len(batch))
-        logits = adapter(outputs, identity, torch.stack([identity] * student.num_blocks), mask)
+        logits = adapter(outputs, identity, torch.stack([identity] * len(taps)), mask)
         labels = torch.from_numpy(data.train_labels[batch])
         losses.append(torch.nn.functional.cross_entropy(logits, labels))
     loss = torch.stack(losses).mean()
@@ -143,15 +146,21 @@ def _train_round(server, client, state, initial, riding):
     return outcome, state, batches
 
 
-@pytest.mark.parametrize(("secure", "riding"), [(False, False), (True, True)])
-def test_text_update_equals_plaintext_sgd_step(student, secure, riding) -> None:
+@pytest.mark.parametrize(
+    ("secure", "riding", "reveal"),
+    [(False, False, "all"), (True, True, "all"), (False, True, "last")],
+)
+def test_text_update_equals_plaintext_sgd_step(student, secure, riding, reveal) -> None:
     """Permuted rows with their key masks, client-side embedding and mean pooling in label
-    order change nothing in the mathematics: the update is the plaintext step."""
-    config = small_config(momentum=0.0, lr=0.5, secure_aggregation=secure)
+    order change nothing in the mathematics: the update is the plaintext step (with the first
+    block hidden, ``reveal="last"``, too)."""
+    config = small_config(momentum=0.0, lr=0.5, secure_aggregation=secure, reveal=reveal)
     server, client, state = text_pair(student, config)
     initial = server.initial_arrays(WIDTH)
     outcome, state, batches = _train_round(server, client, state, initial, riding)
-    expected, loss = _plaintext_step(student, client.data, batches, initial, 0.5)
+    expected, loss = _plaintext_step(
+        student, client.data, batches, initial, 0.5, last_only=reveal == "last"
+    )
     params = trained_params(outcome, state, initial)
     for name, value in expected.items():
         np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1e-5)

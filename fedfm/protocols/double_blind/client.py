@@ -616,7 +616,7 @@ class DoubleBlindClient:
         state = replace(state, arrays=state.with_group("perm", relatives))
         if state.config.get(INPUT) == TEXT_INPUT:
             # mean pooling over real tokens needs every batch's key mask in label order
-            check_label_order_masks(request.key_masks, sizes, int(first["0"].shape[1]))
+            check_label_order_masks(request.key_masks, sizes, int(plain["0"].shape[1]))
             masks = {str(i): mask for i, mask in enumerate(request.key_masks)}
             state = replace(state, arrays=state.with_group(KEY_MASKS, masks))
         elif request.key_masks:
