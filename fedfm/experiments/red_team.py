@@ -811,6 +811,7 @@ PROTOCOL_SUITES: dict[str, str] = {
     "fedrag": "fedfm.experiments.fedrag_attacks:red_team_suite",
     "slip": "fedfm.experiments.slip_attacks:red_team_suite",
     "centaur": "fedfm.experiments.centaur_attacks:red_team_suite",
+    "double_blind_text": "fedfm.experiments.text_attacks:red_team_suite",
 }
 
 
