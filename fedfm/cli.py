@@ -662,12 +662,21 @@ def _paper(args: argparse.Namespace) -> None:
 def _paper_text(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
+    from fedfm.errors import ConfigError
     from fedfm.experiments.paper import load_table
     from fedfm.experiments.text_adaptation import run_text_table
 
     spec = load_table(args.table, args.config, seeds=args.seeds, rounds=args.rounds)
     if args.methods is not None:
         spec = replace(spec, methods=tuple(m for m in spec.methods if m in args.methods))
+    if args.settings is not None:
+        unknown = sorted(set(args.settings) - {s.label for s in spec.settings})
+        if unknown:
+            raise ConfigError(
+                f"no settings {unknown} in table {spec.name!r}; it has "
+                f"{[s.label for s in spec.settings]}"
+            )
+        spec = replace(spec, settings=tuple(s for s in spec.settings if s.label in args.settings))
     run_text_table(
         spec,
         student_dir=args.student_dir,
@@ -1106,6 +1115,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=("linear-probe", "full-finetune", "ours"),
         help="run only these methods (default: the table's)",
+    )
+    paper_text.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        metavar="LABEL",
+        help="run only the settings with these labels, e.g. 'K=5 alpha=1' (default: all)",
     )
     paper_text.add_argument(
         "--student-dir",

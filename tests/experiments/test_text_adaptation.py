@@ -252,7 +252,13 @@ def test_the_command_filters_methods_and_rounds(monkeypatch, tmp_path) -> None:
     ]  # fmt: skip
     assert options["results_dir"] == tmp_path and options["run_missing"]
     assert main(["paper-text", "--kept-only"]) == 0
-    assert not seen[1][1]["run_missing"]
+    assert not seen[1][1]["run_missing"] and not seen[1][1]["protocol"]
+    assert main(["paper-text", "--protocol", "--settings", "K=5 alpha=1", "K=20 alpha=1"]) == 0
+    spec, options = seen[2]
+    assert [s.label for s in spec.settings] == ["K=5 alpha=1", "K=20 alpha=1"]
+    assert options["protocol"]
+    assert main(["paper-text", "--settings", "K=7"]) != 0  # named, nothing run
+    assert len(seen) == 3
 
 
 def test_a_kept_student_is_read_back_and_a_foreign_one_refused(tmp_path, monkeypatch) -> None:
