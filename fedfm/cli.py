@@ -179,6 +179,14 @@ def _distill_text(args: argparse.Namespace) -> None:
     from fedfm.distillation.text import TextApproxSettings, TextDistillRun
     from fedfm.experiments.text_distillation import run_text_distillation_experiment
 
+    if args.keep_student is not None:
+        from fedfm.distillation.text import kept_text_student, student_run
+
+        # the student `fedfm paper-text` and the double-blind apps adapt (its own split): the
+        # other options describe `distill-text`'s experiment and do not apply
+        kept_text_student(student_run(args.model), args.keep_student, progress=True)
+        return
+
     run = TextDistillRun(
         model=args.model,
         max_tokens=args.max_tokens,
@@ -801,6 +809,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=text_defaults.model,
         help="'minilm' (packaged, offline) or a BERT/DistilBERT name or folder on this machine",
+    )
+    distill_text.add_argument(
+        "--keep-student",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only distil (or find) the student that `fedfm paper-text` and the double-blind "
+        "apps (run config dataset='docstrings') adapt, and keep it in DIR (e.g. runs/text)",
     )
     distill_text.add_argument("--max-tokens", type=int, default=text_defaults.max_tokens)
     distill_text.add_argument("--seed", type=int, default=text_defaults.seed)

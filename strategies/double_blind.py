@@ -51,7 +51,8 @@ def run_adaptation(
     settings = app_settings(run_config)
     strategy = make_strategy(settings.strategy)
     splits, _ = settings.student.load_data()
-    model = settings.student.load_student()  # refuses, naming `fedfm distill ...`, if absent
+    # refuses, naming the command that makes it (`fedfm distill ...`), if absent
+    model = settings.student.load_student()
     log(f"[fedfm] server model: FHE-friendly student {settings.student.student_path}")
     backend = get_backend(settings.protocol.backend)
     place_server_model(model, backend.name, settings.device, log=log)

@@ -102,3 +102,32 @@ def micro_decoder_source(cache: Path, *, seed: int = 0):
         training=replace(training, seed=seed),
         text_root=stdlib_root() / "importlib",
     )
+
+
+def save_tiny_text_encoder(folder: Path, *, seed: int = 0) -> Path:
+    """A two-block BERT of width 16 and its WordPiece tokenizer (letters and ``##``-letters,
+    so every lower-case word has ids) saved as a local folder, as a user's own model would be:
+    ``load_text_encoder(folder)`` reads it offline."""
+    import string
+
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    letters = list(string.ascii_lowercase + string.digits)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *(f"##{c}" for c in letters)]
+    vocab_file = folder / "vocab.txt"
+    vocab_file.write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(vocab_file), do_lower_case=True)
+    tokenizer.save_pretrained(str(folder))
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    BertModel(config, add_pooling_layer=False).save_pretrained(str(folder))
+    return folder

@@ -28,11 +28,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfm.data.stdlib_text import build_splits, stdlib_docstrings
+from fedfm.data.stdlib_text import TASK_FAMILIES, build_splits, stdlib_docstrings
 from fedfm.errors import ConfigError, DataError
 
 MAX_TOKENS = 64
 UNLABELLED = -1
+TEXT_DATASET = "docstrings"
+"""The name of this task where a dataset is named (the double-blind apps' run config)."""
+# The split of ``fedfm paper-text``'s table and of the double-blind apps' text task: 20 labelled
+# D_aux texts per family for the teacher's head (as fedfm distill-text), 100 pool texts per family
+# for the data owners (700: K = 20 clients hold 35 each on average, two batches of 16), 60 test
+# texts per family (420: one text is 0.24 points). The smallest family has 325 docstrings.
+TEXT_SPLIT: dict[str, int] = {"aux_per_class": 20, "pool_per_class": 100, "test_per_class": 60}
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,4 +214,16 @@ def unlabelled_texts(
         tokenize(chosen, tokenizer, max_tokens=max_tokens),
         torch.full((len(chosen),), UNLABELLED, dtype=torch.int64),
         len(exclude.classes),
+    )
+
+
+def adaptation_task(tokenizer: Any, *, max_tokens: int = MAX_TOKENS, seed: int = 0) -> TextSplits:
+    """The task of ``fedfm paper-text`` and the double-blind apps: :data:`TEXT_SPLIT` (and D_aux's
+    size of public texts), the split its kept students were distilled beside."""
+    return load_text_task(
+        tokenizer,
+        max_tokens=max_tokens,
+        seed=seed,
+        **TEXT_SPLIT,
+        public_size=len(TASK_FAMILIES) * TEXT_SPLIT["aux_per_class"],
     )

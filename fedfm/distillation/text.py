@@ -44,13 +44,13 @@ from fedfm.approx.modules import (
 )
 from fedfm.approx.specs import QUAD_GELU, ApproxConfig
 from fedfm.data.stdlib_text import TASK_FAMILIES
-from fedfm.data.text_task import TextSplits, load_text_task, unlabelled_texts
+from fedfm.data.text_task import TEXT_SPLIT, TextSplits, load_text_task, unlabelled_texts
 from fedfm.distillation.distill import DistillConfig, calibration_batches, distill
 from fedfm.distillation.text_defaults import TEXT_DISTILL_DEFAULTS as DEFAULTS
 from fedfm.distillation.training import Scores, predict, score
 from fedfm.errors import ConfigError
 from fedfm.models.fhe_text import FheTextClassifier, load_text_encoder, to_fhe_text
-from fedfm.models.student import ApproxSettings
+from fedfm.models.student import ApproxSettings, read_text_student
 
 DISTILL_DATA = ("aux", "public", "stdlib")
 ENCODE_BATCH = 64
@@ -102,6 +102,19 @@ class TextDistillRun:
             raise ConfigError(f"distill_texts must be >= 1, got {self.distill_texts}")
         if self.head_c <= 0:
             raise ConfigError(f"head_c must be > 0, got {self.head_c}")
+
+
+def student_run(model: str = "minilm", distill_data: str = "stdlib") -> TextDistillRun:
+    """The distillation run of the adapted students (``fedfm paper-text``, ``fedfm
+    bench-ckks-text``, the double-blind apps): :data:`TEXT_SPLIT`, on ``distill_data``."""
+    return TextDistillRun(
+        model=model,
+        distill_data=distill_data,
+        ablation=False,
+        aux_per_class=TEXT_SPLIT["aux_per_class"],
+        pool_per_class=TEXT_SPLIT["pool_per_class"],
+        test_per_class=TEXT_SPLIT["test_per_class"],
+    )
 
 
 def task_splits(run: TextDistillRun, tokenizer: Any) -> TextSplits:
@@ -339,25 +352,9 @@ def kept_text_student(
     """
     path = kept_student_path(run, folder)
     if path.exists():
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-            report = json.loads(saved["report"])
-        except Exception as error:  # torch.load fails in many ways on a damaged file
-            raise ConfigError(f"{path} is not a kept text student ({error}); remove it") from None
-        encoder, tokenizer = load_text_encoder(run.model)
-        student = to_fhe_text(
-            encoder,
-            run.approx.build(),
-            num_classes=len(report["classes"]),
-            pad_token_id=int(tokenizer.pad_token_id),
-            max_tokens=run.max_tokens,
+        student, report = read_text_student(
+            path, model=run.model, approx=run.approx.build(), max_tokens=run.max_tokens
         )
-        try:
-            student.load_state_dict(saved["state"])
-        except RuntimeError as error:
-            raise ConfigError(
-                f"{path} does not hold this run's student ({error}); remove it"
-            ) from None
         log(f"[fedfm] text student read from {path}")
         return student.eval(), report
     report, student = run_text_distillation(run, progress=progress, log=log)

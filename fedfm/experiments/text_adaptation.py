@@ -50,9 +50,11 @@ from torch import nn
 from fedfm.data.partition import partition
 from fedfm.data.text_task import TextSplits, TokenizedTexts
 from fedfm.distillation.text import (
+    TEXT_SPLIT,
     TextDistillRun,
     kept_student_path,
     kept_text_student,
+    student_run,
     task_splits,
 )
 from fedfm.errors import ConfigError
@@ -80,11 +82,6 @@ TEXT_METHODS: dict[str, str] = {
     "full-finetune": "full_finetune",
     "ours": "ours",
 }
-# The text task's split for this table: 20 labelled D_aux texts per family for the teacher's head
-# (as fedfm distill-text), 100 pool texts per family for the data owners (700: K = 20 clients
-# hold 35 each on average, two batches of 16), 60 test texts per family (420: one text is 0.24
-# points). The smallest family has 325 docstrings.
-TEXT_SPLIT: dict[str, int] = {"aux_per_class": 20, "pool_per_class": 100, "test_per_class": 60}
 BATCHES_PER_ROUND = 4
 ENCODE_CHUNK = 64
 
@@ -409,18 +406,6 @@ def finetune_text(
 def distill_run(setting: Setting, model: str = "minilm") -> TextDistillRun:
     """The student a setting adapts: :data:`TEXT_SPLIT`, distilled on ``setting.distill_data``."""
     return student_run(model, setting.distill_data)
-
-
-def student_run(model: str = "minilm", distill_data: str = "stdlib") -> TextDistillRun:
-    """The distillation run of the table's students: :data:`TEXT_SPLIT`, on ``distill_data``."""
-    return TextDistillRun(
-        model=model,
-        distill_data=distill_data,
-        ablation=False,
-        aux_per_class=TEXT_SPLIT["aux_per_class"],
-        pool_per_class=TEXT_SPLIT["pool_per_class"],
-        test_per_class=TEXT_SPLIT["test_per_class"],
-    )
 
 
 def text_splits(run: TextDistillRun) -> TextSplits:

@@ -13,10 +13,13 @@ import json
 import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from fedfm.approx.specs import ApproxConfig
 from fedfm.data import DataSplits, load_splits
+from fedfm.data.text_task import MAX_TOKENS, TEXT_SPLIT, TextSplits, adaptation_task
 from fedfm.errors import CheckpointError, ConfigError
 from fedfm.models.foundation import (
     DEFAULT_MODEL,
@@ -29,6 +32,7 @@ from fedfm.models.foundation import (
 )
 
 if TYPE_CHECKING:  # built in load_student: timm stays out of processes that only read data
+    from fedfm.models.fhe_text import FheTextClassifier
     from fedfm.models.fhe_vit import FheViT
 
 STUDENT_FORMAT = "fedfm-student/2"
@@ -174,3 +178,102 @@ def load_student(path: str | Path) -> FheViT:
     student = to_fhe_friendly(spec.build(), approx)
     load_state_strict(student, payload["state_dict"], source=f"student checkpoint {path}")
     return student.eval()
+
+
+KEPT_TEXT_STUDENTS = "text-student-*.pt"
+"""The file names of kept text students (:func:`fedfm.distillation.text.kept_student_path`)."""
+
+
+def read_text_student(
+    path: Path, *, model: str, approx: ApproxConfig, max_tokens: int
+) -> tuple[FheTextClassifier, dict[str, Any]]:
+    """A kept text student (its weights and calibrated buffers on the encoder ``model`` rebuilt
+    with ``approx``) and its distillation report; :class:`ConfigError` for a file that is not
+    one or does not fit, never a half-loaded model."""
+    from fedfm.models.fhe_text import load_text_encoder, to_fhe_text
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        report: dict[str, Any] = json.loads(saved["report"])
+    except Exception as error:  # torch.load fails in many ways on a damaged file
+        raise ConfigError(f"{path} is not a kept text student ({error}); remove it") from None
+    encoder, tokenizer = load_text_encoder(model)
+    student = to_fhe_text(
+        encoder,
+        approx,
+        num_classes=len(report["classes"]),
+        pad_token_id=int(tokenizer.pad_token_id),
+        max_tokens=max_tokens,
+    )
+    try:
+        student.load_state_dict(saved["state"])
+    except RuntimeError as error:
+        raise ConfigError(f"{path} does not hold this run's student ({error}); remove it") from None
+    return student.eval(), report
+
+
+@dataclass(frozen=True)
+class TextStudentSource:
+    """The double-blind apps' text model and data (run config ``dataset = "docstrings"``).
+
+    The student is the one ``fedfm paper-text`` adapts: distilled on unlabelled docstrings beside
+    the split :data:`~fedfm.data.text_task.TEXT_SPLIT` (seed 0, 64 tokens) and kept in
+    ``workdir``; the model owner makes it offline (:meth:`keep_command`). The data owners'
+    texts are that task's pool, tokenized with the model's tokenizer.
+    """
+
+    model: str = "minilm"
+    workdir: Path = Path("runs/text")
+
+    def load_data(self) -> tuple[TextSplits, int]:
+        """The tokenized task and its tokens per text."""
+        from fedfm.models.fhe_text import load_text_encoder
+
+        _, tokenizer = load_text_encoder(self.model)
+        return adaptation_task(tokenizer), MAX_TOKENS
+
+    def pad_token_id(self) -> int:
+        """The tokenizer's padding id (a data owner's key masks are the other tokens)."""
+        from fedfm.models.fhe_text import load_text_encoder
+
+        _, tokenizer = load_text_encoder(self.model)
+        return int(tokenizer.pad_token_id)
+
+    def keep_command(self) -> str:
+        """The command that distils this student into :attr:`workdir`."""
+        words = ["fedfm", "distill-text", "--keep-student", str(self.workdir)]
+        return shlex.join(words + (["--model", self.model] if self.model != "minilm" else []))
+
+    @property
+    def student_path(self) -> Path:
+        """The kept student of this model and split in :attr:`workdir`.
+
+        Raises :class:`ConfigError` naming :meth:`keep_command` when there is none."""
+        return self._kept()[0]
+
+    def load_student(self) -> FheTextClassifier:
+        """The kept student (:attr:`student_path`), rebuilt with its report's approximations."""
+        path, report = self._kept()
+        approx = ApproxConfig.build(**report["settings"]["approx"])
+        student, _ = read_text_student(path, model=self.model, approx=approx, max_tokens=MAX_TOKENS)
+        return student
+
+    def _kept(self) -> tuple[Path, dict[str, Any]]:
+        for path in sorted(Path(self.workdir).glob(KEPT_TEXT_STUDENTS)):
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                report: dict[str, Any] = json.loads(saved["report"])
+            except Exception:  # another file of that name: not this student
+                continue
+            settings = report.get("settings", {})
+            if (
+                report.get("model") == self.model
+                and all(settings.get(key) == value for key, value in TEXT_SPLIT.items())
+                and (settings.get("max_tokens"), settings.get("seed")) == (MAX_TOKENS, 0)
+                and settings.get("distill_data") == "stdlib"
+            ):
+                return path, report
+        raise ConfigError(
+            f"no kept text student of {self.model!r} in {self.workdir}: the model owner makes "
+            f"it offline first, with `{self.keep_command()}`"
+        )

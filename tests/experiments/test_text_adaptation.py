@@ -29,6 +29,7 @@ from fedfm.experiments.text_adaptation import (
     table_config,
     train_adapter,
 )
+from fedfm.models import fhe_text
 from fedfm.models.fhe_text import to_fhe_text
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from tests.models.test_fhe_text import PAD, tiny_bert
@@ -278,7 +279,8 @@ def test_a_kept_student_is_read_back_and_a_foreign_one_refused(tmp_path, monkeyp
 
     tokenizer = SimpleNamespace(pad_token_id=PAD)
     monkeypatch.setattr(text_distillation, "run_text_distillation", fake_distillation)
-    monkeypatch.setattr(text_distillation, "load_text_encoder", lambda _m: (tiny_bert(), tokenizer))
+    # the kept file is read back by fedfm.models.student.read_text_student
+    monkeypatch.setattr(fhe_text, "load_text_encoder", lambda _m: (tiny_bert(), tokenizer))
     kept_text_student(run, tmp_path, log=lambda _: None)
     assert kept_student_path(run, tmp_path).exists() and len(calls) == 1
     second, read = kept_text_student(run, tmp_path, log=lambda _: None)
@@ -339,3 +341,30 @@ def test_the_protocol_table_runs_ours_and_probing_through_the_protocol(
     probe = summary["K=2 iid"]["linear_probe"]["trainable_parameters"]
     assert probe == 16 * 2 + 16 * 3 + 3  # LayerNorm and head, as the plaintext path counts
     assert (tmp_path / "cells" / "text-protocol").is_dir()
+
+
+def test_the_apps_task_is_the_split_the_adapted_students_were_distilled_beside() -> None:
+    """`adaptation_task` (what the double-blind apps' data owners load) and `task_splits` of
+    `student_run` (what the kept student was distilled beside) are the same texts."""
+    from fedfm.data.text_task import adaptation_task
+    from fedfm.models.fhe_text import load_text_encoder
+
+    _, tokenizer = load_text_encoder("minilm")
+    apps = adaptation_task(tokenizer)
+    kept = text_distillation.task_splits(text_distillation.student_run(), tokenizer)
+    for name in ("aux", "pool", "test", "public"):
+        assert torch.equal(getattr(apps, name).input_ids, getattr(kept, name).input_ids)
+        assert torch.equal(getattr(apps, name).labels, getattr(kept, name).labels)
+
+
+def test_distill_text_keep_student_only_keeps_the_adapted_student(monkeypatch, tmp_path) -> None:
+    calls = []
+    monkeypatch.setattr(
+        text_distillation,
+        "kept_text_student",
+        lambda run, folder, **kw: calls.append((run, folder)) or (None, {}),
+    )
+    assert main(["distill-text", "--keep-student", str(tmp_path), "--model", "m"]) == 0
+    run, folder = calls[0]
+    assert folder == tmp_path and run == text_distillation.student_run("m")
+    assert not (tmp_path / "text_distillation.json").exists()

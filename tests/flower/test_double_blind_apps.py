@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from uuid import uuid4
 
@@ -27,16 +27,19 @@ from flwr.common.serde import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedfm.approx import calibrate
+from fedfm.approx import ApproxConfig, calibrate
 from fedfm.crypto import SimulateBackend
 from fedfm.crypto.randomness import SecretStream, write_secret_file
 from fedfm.data import load_splits
 from fedfm.distillation.pipeline import ApproxSettings, load_student, save_student
+from fedfm.distillation.text import kept_student_path, polynomial_student, student_run
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.flower.apps import NODE_CONFIG_ENV, parse_node_config
 from fedfm.flower.codec import envelope_to_message, envelope_to_reply, message_to_envelope
 from fedfm.flower.transport import FlowerTransport
 from fedfm.models import ModelSpec, to_fhe_friendly
+from fedfm.models.fhe_text import load_text_encoder, to_fhe_text
+from fedfm.models.student import TextStudentSource
 from fedfm.protocols.double_blind import (
     ClientState,
     ClientUpdate,
@@ -55,7 +58,13 @@ from fedfm.protocols.double_blind.config import (
 from fedfm.protocols.double_blind.defaults import PROTOCOL
 from fedfm.protocols.double_blind.identities import create_simulation_identities
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
-from fedfm.protocols.double_blind.runner import Federation, federation_data, run_in_process
+from fedfm.protocols.double_blind.runner import (
+    Federation,
+    federation_data,
+    run_clients_in_process,
+    run_in_process,
+    text_federation_data,
+)
 from fedfm.protocols.double_blind.settings import DEFAULTS, app_settings
 from fedfm.protocols.secure_aggregation import run_in_process as secure_aggregate
 from fedfm.runtime.identity import format_pins
@@ -72,7 +81,7 @@ from fedfm_strategies.aggregation import (
     task_identity,
 )
 from fedfm_strategies.double_blind import SERVER_SECRET_ENV, run_adaptation
-from tests.helpers import processes_with, save_micro_student
+from tests.helpers import processes_with, save_micro_student, save_tiny_text_encoder
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "simulations" / "double_blind"
@@ -762,3 +771,122 @@ def test_double_blind_runs_end_to_end_under_ckks_over_flower_messages(micro_stud
     for reply in setups:  # what the server got to evaluate with cannot decrypt
         public = message_to_envelope(reply, reply.metadata.src_node_id).config["public_context"]
         assert not ts.context_from(public).is_private()
+
+
+# -- a text encoder through the apps --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_source(tmp_path_factory) -> TextStudentSource:
+    """A tiny BERT folder (a user's own model) and, where `fedfm distill-text --keep-student`
+    keeps one, a calibrated but undistilled student of it with the report a kept student has."""
+    folder = tmp_path_factory.mktemp("text")
+    model = save_tiny_text_encoder(folder / "model")
+    source = TextStudentSource(model=str(model), workdir=folder / "work")
+    with pytest.raises(ConfigError, match=r"fedfm distill-text --keep-student .*work --model"):
+        source.load_student()  # none yet: the command that makes it is named
+    splits, tokens = source.load_data()
+    encoder, tokenizer = load_text_encoder(model)
+    teacher = to_fhe_text(
+        encoder,
+        ApproxConfig.exact(),
+        num_classes=len(splits.classes),
+        pad_token_id=int(tokenizer.pad_token_id),
+        max_tokens=tokens,
+    )
+    run = student_run(str(model))
+    student = polynomial_student(teacher, run.approx.build(), [splits.aux.input_ids])
+    report = {"classes": list(splits.classes), "model": run.model, "settings": asdict(run)}
+    path = kept_student_path(run, source.workdir)
+    path.parent.mkdir(parents=True)
+    torch.save({"state": student.state_dict(), "report": json.dumps(report)}, path)
+    assert source.student_path == path
+    return source
+
+
+def text_run_config(source: TextStudentSource, **changes: object) -> dict[str, object]:
+    values: dict[str, object] = {
+        "dataset": "docstrings",
+        "model": source.model,
+        "workdir": str(source.workdir),
+        "num-clients": 3,
+        "rounds": 2,
+        "batches-per-round": 1,
+        "reveal": "all",
+    }
+    return values | changes
+
+
+def test_text_run_config_names_what_does_not_fit() -> None:
+    settings = app_settings({"dataset": "docstrings", "model": "minilm", "workdir": "runs/text"})
+    assert isinstance(settings.student, TextStudentSource) and settings.student.model == "minilm"
+    with pytest.raises(ConfigError, match="is text: set run config 'model' to a text encoder"):
+        app_settings({"dataset": "docstrings"})  # the default model is the ViT
+    with pytest.raises(ConfigError, match=r"\['image-size'\] apply to image datasets"):
+        app_settings({"dataset": "docstrings", "model": "minilm", "image-size": 16})
+
+
+def test_server_app_runs_a_text_encoder_as_the_in_process_run(text_source, monkeypatch) -> None:
+    """The ServerApp and ClientApps over Flower messages on a text encoder: the data owners
+    embed their docstrings with the server's tables and upload key masks; bit for bit the
+    in-process run of the same roles (secure aggregation off, as above)."""
+    monkeypatch.setenv(NODE_CONFIG_ENV, "allow-plaintext=true require-secure-aggregation=false")
+    config = text_run_config(text_source, **{"secure-aggregation": False})
+    lines: list[str] = []
+    history = run_adaptation(loopback(config), config, log=lines.append)
+    assert f"FHE-friendly student {text_source.student_path}" in "\n".join(lines)
+
+    settings = app_settings(config)
+    splits, _ = text_source.load_data()
+    datasets = text_federation_data(
+        splits.pool,
+        settings.federation,
+        settings.protocol,
+        pad_token_id=text_source.pad_token_id(),
+    )
+    expected, _ = run_clients_in_process(
+        text_source.load_student(),
+        datasets,
+        settings.protocol,
+        num_classes=len(splits.classes),
+        identity={"test": "text"},
+        policy=DataOwnerPolicy.from_node_config(parse_node_config(os.environ[NODE_CONFIG_ENV])),
+        randomness=SecretStream.from_file(Path(os.environ[SERVER_SECRET_ENV])),
+        **QUIET,
+    )
+    assert [r.round for r in history] == [1, 2]
+    for ours, theirs in zip(history, expected, strict=True):
+        assert (ours.clients_trained, ours.clients_evaluated) == (3, 3)
+        assert ours.balanced_accuracy == theirs.balanced_accuracy
+        assert ours.train_loss == theirs.train_loss
+
+
+@pytest.mark.slow
+def test_flwr_run_simulation_runs_a_text_encoder(text_source, tmp_path) -> None:
+    """`flwr run` (Flower's simulation, the apps in their own processes) on a text encoder."""
+    home = tmp_path / "flwr-home"
+    config = text_run_config(text_source, rounds=1)
+    overrides = " ".join(
+        f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in config.items()
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(APP / "run.py"),
+            "--supernodes",
+            "3",
+            "--flwr-home",
+            str(home),
+            "--run-config",
+            overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "flwr run: finished:completed; SuperLink stopped" in output
+    assert "round 1/1 [simulate]" in output and "3 trained, 3 evaluated" in output
+    assert processes_with(f"FLWR_HOME={home}") == []

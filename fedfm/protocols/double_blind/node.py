@@ -13,23 +13,34 @@ from typing import Any
 
 from fedfm.errors import ConfigError
 from fedfm.models.device import resolve_device
-from fedfm.models.student import StudentSource
+from fedfm.models.student import StudentSource, TextStudentSource
 from fedfm.protocols.double_blind.client import ClientData, DoubleBlindClient
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.identities import data_owner_key_authentication
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
-from fedfm.protocols.double_blind.runner import Federation, federation_data
+from fedfm.protocols.double_blind.runner import (
+    Federation,
+    federation_data,
+    text_federation_data,
+)
 from fedfm.protocols.double_blind.settings import app_settings
+from fedfm.protocols.double_blind.text import TextClientData
 
 
 @functools.lru_cache(maxsize=2)
 def _partitions(
-    student: StudentSource, federation: Federation, eval_fraction: float
-) -> tuple[ClientData, ...]:
-    """Every client's data (cached: a process serves many messages and often many nodes)."""
-    splits, _ = student.load_data()
+    student: StudentSource | TextStudentSource, federation: Federation, eval_fraction: float
+) -> tuple[ClientData | TextClientData, ...]:
+    """Every client's data (cached: a process serves many messages and often many nodes):
+    images, or the text task's token ids and key masks."""
     protocol = DoubleBlindConfig(eval_fraction=eval_fraction)
-    return tuple(federation_data(splits, federation, protocol))
+    if isinstance(student, StudentSource):
+        splits, _ = student.load_data()
+        return tuple(federation_data(splits, federation, protocol))
+    texts, _ = student.load_data()
+    return tuple(
+        text_federation_data(texts.pool, federation, protocol, pad_token_id=student.pad_token_id())
+    )
 
 
 def data_owner_role(run_config: Mapping[str, Any], own: Mapping[str, Any]) -> DoubleBlindClient:
@@ -63,7 +74,8 @@ def data_owner_role(run_config: Mapping[str, Any], own: Mapping[str, Any]) -> Do
         seed=settings.federation.seed,
     )
 
-    def data() -> ClientData:  # loaded by the first message that needs it (not a refresh)
+    # loaded by the first message that needs it (not a refresh)
+    def data() -> ClientData | TextClientData:
         return _partitions(settings.student, federation, settings.protocol.eval_fraction)[
             partition_id
         ]

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedfm.data.text_task import TEXT_DATASET
 from fedfm.errors import ConfigError
 from fedfm.models.foundation import DEFAULT_MODEL
-from fedfm.models.student import StudentSource
+from fedfm.models.student import StudentSource, TextStudentSource
 from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from fedfm.protocols.double_blind.defaults import FEDERATION, PROTOCOL
 from fedfm.protocols.double_blind.runner import Federation
@@ -70,7 +71,10 @@ class AppSettings:
     student:
         The server model's work directory and the data it was distilled for: the ServerApp loads
         the student from it (refusing, with the command that makes it, when there is none); both
-        apps load the dataset splits with it.
+        apps load the dataset splits with it. With ``dataset = "docstrings"`` a
+        :class:`~fedfm.models.student.TextStudentSource`: a text encoder's kept student in
+        ``workdir`` (refused, naming the command that makes it, when there is none) and the
+        docstring task.
     protocol:
         The protocol configuration the server sends at setup.
     federation:
@@ -94,7 +98,7 @@ class AppSettings:
         by :func:`fedfm.models.device.resolve_device` where it is used).
     """
 
-    student: StudentSource
+    student: StudentSource | TextStudentSource
     protocol: DoubleBlindConfig
     federation: Federation
     strategy: str
@@ -131,7 +135,7 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
     seed = int(v["seed"])
     if seed < 0:
         raise ConfigError(f"run config 'seed' must be >= 0, got {seed}")
-    student = StudentSource(
+    student: StudentSource | TextStudentSource = StudentSource(
         dataset=str(v["dataset"]),
         data_root=str(v["data-root"]) or None,
         model=str(v["model"]),
@@ -140,6 +144,8 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         seed=seed,
         workdir=Path(str(v["workdir"])),
     )
+    if v["dataset"] == TEXT_DATASET:
+        student = _text_source(v)
     protocol = DoubleBlindConfig(
         rounds=int(v["rounds"]),
         batch_size=int(v["batch-size"]),
@@ -184,3 +190,16 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         checkpoint_dir=Path(str(v["checkpoint-dir"])) if v["checkpoint-dir"] else None,
         device=str(v["device"]),
     )
+
+
+def _text_source(values: Mapping[str, RunValue]) -> TextStudentSource:
+    """The text task's model and data; image-only keys set are refused by name."""
+    if values["model"] == DEFAULT_MODEL:
+        raise ConfigError(
+            f"dataset {TEXT_DATASET!r} is text: set run config 'model' to a text encoder "
+            "('minilm', packaged, or a BERT/DistilBERT name or folder on this machine)"
+        )
+    images = [key for key in ("image-size", "max-samples", "data-root") if values[key]]
+    if images:
+        raise ConfigError(f"run config {images} apply to image datasets, not {TEXT_DATASET!r}")
+    return TextStudentSource(model=str(values["model"]), workdir=Path(str(values["workdir"])))
