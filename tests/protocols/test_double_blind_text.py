@@ -14,7 +14,7 @@ from fedfm.approx import ApproxConfig
 from fedfm.crypto import SimulateBackend, get_backend
 from fedfm.crypto.randomness import ResearchStream
 from fedfm.distillation.text import polynomial_student
-from fedfm.errors import DataError, ProtocolError
+from fedfm.errors import ConfigError, DataError, ProtocolError
 from fedfm.models.fhe_text import FheTextClassifier, to_fhe_text
 from fedfm.protocols.double_blind import (
     ClientData,
@@ -280,3 +280,10 @@ def test_text_update_under_ckks_equals_plaintext_step(student) -> None:
     for name, value in expected.items():
         np.testing.assert_allclose(outcome.arrays[name], value, rtol=1e-3, atol=1e-3)
     assert outcome.train_loss == pytest.approx(loss, rel=1e-3)
+
+
+def test_hiding_text_lengths_is_the_data_owners_node_config() -> None:
+    assert DataOwnerPolicy.from_node_config({"hide-text-lengths": "true"}).hide_text_lengths
+    assert not DataOwnerPolicy.from_node_config({}).hide_text_lengths
+    with pytest.raises(ConfigError, match="'hide-text-lengths' must be true or false"):
+        DataOwnerPolicy.from_node_config({"hide-text-lengths": "maybe"})
