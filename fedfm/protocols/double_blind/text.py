@@ -13,10 +13,10 @@ What changes from the image path (spec ``001`` §3.2 embeds on the server; a tok
   then attends to padding as to text (its outputs change; the accuracy cost is the data owner's).
 * **blocks**: the server permutes each batch's key mask with its rows.
 * **the last block** carries each batch's key mask in label order ``pi_{L+1}``: the side adapter
-  pools the mean over real tokens. The masks tell the client nothing its decrypted block outputs
-  do not already show (a padding position's hidden state is the padding token's), and both let
-  it link a row to its text when the batch's lengths differ: the permutation hides the order of
-  a batch only among texts of one length (``docs/text_encoder.md``, threat model).
+  pools the mean over real tokens. A row's length lets the client link it to its text when no
+  other of its texts has that length: the permutation hides a row only among texts of one
+  length (red team ``text_rows_linked_by_length``; whether the decrypted hidden states at
+  padding positions show the lengths as well is not measured; ``docs/text_encoder.md``).
 
 Everything else (batches, permutations, refreshes, the loss, secure aggregation) is the image
 path's. Nothing here imports transformers: a data owner's process embeds with numpy and torch.
