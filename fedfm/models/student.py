@@ -9,6 +9,7 @@ command that makes one, when the directory holds none, and refuses a directory w
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 from dataclasses import asdict, dataclass
@@ -227,17 +228,11 @@ class TextStudentSource:
 
     def load_data(self) -> tuple[TextSplits, int]:
         """The tokenized task and its tokens per text."""
-        from fedfm.models.fhe_text import load_text_encoder
-
-        _, tokenizer = load_text_encoder(self.model)
-        return adaptation_task(tokenizer), MAX_TOKENS
+        return adaptation_task(_text_tokenizer(self.model)), MAX_TOKENS
 
     def pad_token_id(self) -> int:
         """The tokenizer's padding id (a data owner's key masks are the other tokens)."""
-        from fedfm.models.fhe_text import load_text_encoder
-
-        _, tokenizer = load_text_encoder(self.model)
-        return int(tokenizer.pad_token_id)
+        return int(_text_tokenizer(self.model).pad_token_id)
 
     def keep_command(self) -> str:
         """The command that distils this student into :attr:`workdir`."""
@@ -277,3 +272,12 @@ class TextStudentSource:
             f"no kept text student of {self.model!r} in {self.workdir}: the model owner makes "
             f"it offline first, with `{self.keep_command()}`"
         )
+
+
+@functools.lru_cache(maxsize=2)
+def _text_tokenizer(model: str) -> Any:
+    """``model``'s tokenizer, checked against the model (loaded once per process: a data
+    owner's process asks for the task and for the pad id)."""
+    from fedfm.models.fhe_text import load_text_encoder
+
+    return load_text_encoder(model)[1]

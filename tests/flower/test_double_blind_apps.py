@@ -679,9 +679,11 @@ def test_flower_transport_turns_silence_and_errors_into_failures(student_dir) ->
 # -- flwr run ------------------------------------------------------------------------------------
 
 
-def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir, tmp_path) -> None:
-    home = tmp_path / "flwr-home"
-    config = run_config(student_dir, **{"checkpoint-dir": str(tmp_path / "checkpoint")})
+def flwr_run(
+    config: dict[str, object], home: Path, *, timeout: float
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``run.py`` with three simulated SuperNodes and ``config`` as run config overrides; the
+    process and its whole output."""
     overrides = " ".join(
         f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in config.items()
     )
@@ -698,10 +700,16 @@ def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         check=False,
     )
-    output = result.stdout + result.stderr
+    return result, result.stdout + result.stderr
+
+
+def test_flwr_run_simulation_completes_and_equals_the_in_process_run(student_dir, tmp_path) -> None:
+    home = tmp_path / "flwr-home"
+    config = run_config(student_dir, **{"checkpoint-dir": str(tmp_path / "checkpoint")})
+    result, output = flwr_run(config, home, timeout=240)
     assert result.returncode == 0, output[-3000:]
     assert "flwr run: finished:completed; SuperLink stopped" in output
     for round_number in (1, 2):
@@ -866,26 +874,7 @@ def test_flwr_run_simulation_runs_a_text_encoder(text_source, tmp_path) -> None:
     """`flwr run` (Flower's simulation, the apps in their own processes) on a text encoder."""
     home = tmp_path / "flwr-home"
     config = text_run_config(text_source, rounds=1)
-    overrides = " ".join(
-        f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in config.items()
-    )
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(APP / "run.py"),
-            "--supernodes",
-            "3",
-            "--flwr-home",
-            str(home),
-            "--run-config",
-            overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    output = result.stdout + result.stderr
+    result, output = flwr_run(config, home, timeout=300)
     assert result.returncode == 0, output[-3000:]
     assert "flwr run: finished:completed; SuperLink stopped" in output
     assert "round 1/1 [simulate]" in output and "3 trained, 3 evaluated" in output

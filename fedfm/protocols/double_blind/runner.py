@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from fedfm.crypto import get_backend
-from fedfm.crypto.backend import CryptoBackend
 from fedfm.crypto.randomness import RandomSource
 from fedfm.data import DataSplits, ImageDataset, partition
 from fedfm.errors import ConfigError
@@ -256,83 +255,46 @@ def run_clients_in_process(
     ``identity`` names the run in its checkpoints (a resumed run must match it)."""
     backend = get_backend(config.backend)
     with server_model_on(model, backend.name, device, log=log) as target:
-        return _run_in_process(
+        if secagg_authentication is None:
+            chosen = list(signed_federation(range(len(datasets))).values())
+        elif len(secagg_authentication) != len(datasets):
+            raise ConfigError(
+                f"secagg_authentication has {len(secagg_authentication)} entries for "
+                f"{len(datasets)} clients"
+            )
+        else:
+            chosen = list(secagg_authentication)
+        handlers = {
+            node_id: LocalNode(
+                DoubleBlindClient(
+                    data,
+                    backend,
+                    policy=policy,
+                    partition_id=node_id,
+                    authentication=chosen[node_id],
+                    device=target,
+                ),
+                ClientState,
+            )
+            for node_id, data in enumerate(datasets)
+        }
+        transport = InProcessTransport(handlers, drop=drop)
+        server = DoubleBlindServer(
             model,
-            datasets,
             config,
+            backend,
             num_classes=num_classes,
-            identity=identity,
-            backend=backend,
-            device=target,
-            aggregator=aggregator,
-            checkpoint_dir=checkpoint_dir,
-            drop=drop,
-            policy=policy,
             randomness=randomness,
             log=log,
-            secagg_authentication=secagg_authentication,
+        )
+        history = run_double_blind(
+            server,
+            transport,
+            transport.node_ids(),
+            aggregator=aggregator,
+            checkpoint_dir=checkpoint_dir,
+            identity=identity,
+            log=log,
             progress_every=progress_every,
         )
-
-
-def _run_in_process(
-    model: FheViT | FheTextClassifier,
-    datasets: Sequence[ClientData | TextClientData],
-    config: DoubleBlindConfig,
-    *,
-    num_classes: int,
-    identity: dict[str, Any],
-    backend: CryptoBackend,
-    device: torch.device,
-    aggregator: Aggregator | None,
-    checkpoint_dir: Path | None,
-    drop: Callable[[Envelope], bool] | None,
-    policy: DataOwnerPolicy | None,
-    randomness: RandomSource | None,
-    log: Callable[[str], None],
-    secagg_authentication: Sequence[KeyAuthentication] | None,
-    progress_every: float,
-) -> tuple[list[RoundRecord], InProcessTransport]:
-    if secagg_authentication is None:
-        chosen = list(signed_federation(range(len(datasets))).values())
-    elif len(secagg_authentication) != len(datasets):
-        raise ConfigError(
-            f"secagg_authentication has {len(secagg_authentication)} entries for "
-            f"{len(datasets)} clients"
-        )
-    else:
-        chosen = list(secagg_authentication)
-    handlers = {
-        node_id: LocalNode(
-            DoubleBlindClient(
-                data,
-                backend,
-                policy=policy,
-                partition_id=node_id,
-                authentication=chosen[node_id],
-                device=device,
-            ),
-            ClientState,
-        )
-        for node_id, data in enumerate(datasets)
-    }
-    transport = InProcessTransport(handlers, drop=drop)
-    server = DoubleBlindServer(
-        model,
-        config,
-        backend,
-        num_classes=num_classes,
-        randomness=randomness,
-        log=log,
-    )
-    history = run_double_blind(
-        server,
-        transport,
-        transport.node_ids(),
-        aggregator=aggregator,
-        checkpoint_dir=checkpoint_dir,
-        identity=identity,
-        log=log,
-        progress_every=progress_every,
-    )
-    return history, transport
+        return history, transport

@@ -289,9 +289,28 @@ class DoubleBlindServer:
         }
         num_train = int(require_config(reply, "num_train", int))
         num_eval = int(require_config(reply, "num_eval", int))
-        if self.text:
-            self._register_text(reply, evaluator, uploads, num_train, num_eval)
-            return
+        masks = (
+            self._text_key_masks(reply, uploads, num_train, num_eval)
+            if self.text
+            else self._check_images(uploads, num_train, num_eval)
+        )
+        self.sessions[reply.node_id] = ClientSession(
+            evaluator=evaluator,
+            train_images=uploads["train_images"],
+            train_labels=uploads["train_labels"],
+            eval_images=uploads["eval_images"],
+            eval_labels=uploads["eval_labels"],
+            num_train=num_train,
+            num_eval=num_eval,
+            order_key=int(reply.config.get("partition_id", -1)),
+            train_key_mask=masks.get("train"),
+            eval_key_mask=masks.get("eval"),
+        )
+
+    def _check_images(
+        self, uploads: dict[str, EncryptedBatch], num_train: int, num_eval: int
+    ) -> dict[str, np.ndarray]:
+        """Refuse image uploads the model cannot read; images have no key masks."""
         embed = self.model.vit.patch_embed
         size = embed.img_size if embed.img_size is not None else (None, None)
         image_shape = (embed.proj.in_channels, *size)
@@ -311,28 +330,19 @@ class DoubleBlindServer:
                     f"{name} upload has images of shape {tuple(images.shape[1:])}; the model "
                     f"reads {image_shape} (channels, height, width)"
                 )
-        self.sessions[reply.node_id] = ClientSession(
-            evaluator=evaluator,
-            train_images=uploads["train_images"],
-            train_labels=uploads["train_labels"],
-            eval_images=uploads["eval_images"],
-            eval_labels=uploads["eval_labels"],
-            num_train=num_train,
-            num_eval=num_eval,
-            order_key=int(reply.config.get("partition_id", -1)),
-        )
+        return {}
 
-    def _register_text(
+    def _text_key_masks(
         self,
         reply: Envelope,
-        evaluator: Evaluator,
         uploads: dict[str, EncryptedBatch],
         num_train: int,
         num_eval: int,
-    ) -> None:
-        """Register a text client: embedded tokens ``(n, T, D)`` and key masks per upload."""
+    ) -> dict[str, np.ndarray]:
+        """A text client's key masks per upload, after checking its embedded tokens
+        ``(n, T, D)``."""
         shape = (self.geometry.tokens, self.hidden_size)
-        masks = {}
+        masks: dict[str, np.ndarray] = {}
         for name, count in (("train", num_train), ("eval", num_eval)):
             hidden, labels = uploads[f"{name}_images"], uploads[f"{name}_labels"]
             if tuple(hidden.shape) != (count, *shape) or labels.shape != (count, self.num_classes):
@@ -344,18 +354,7 @@ class DoubleBlindServer:
             masks[name] = check_uploaded_masks(
                 reply.arrays.get(f"{name}_key_mask"), count, shape[0], f"the {name} upload's"
             )
-        self.sessions[reply.node_id] = ClientSession(
-            evaluator=evaluator,
-            train_images=uploads["train_images"],
-            train_labels=uploads["train_labels"],
-            eval_images=uploads["eval_images"],
-            eval_labels=uploads["eval_labels"],
-            num_train=num_train,
-            num_eval=num_eval,
-            order_key=int(reply.config.get("partition_id", -1)),
-            train_key_mask=masks["train"],
-            eval_key_mask=masks["eval"],
-        )
+        return masks
 
     def initial_arrays(self, dim: int) -> dict[str, np.ndarray]:
         """The round-1 global adapter and head, initialised from the server's stream (every
