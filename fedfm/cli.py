@@ -1209,6 +1209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slip_commands(commands)
     _add_centaur_commands(commands)
     _add_site_command(commands)
+    _add_executor_command(commands)
     _add_bench_round_command(commands)
     return parser
 
@@ -1453,7 +1454,8 @@ def _add_bench_round_command(commands: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--compare-clientapp",
         action="store_true",
-        help="also run (b) with Flower's per-message ClientApp process instead of site processes",
+        help="also run (b) with Flower's per-message ClientApp process (forwarding to site "
+        "processes, and without them) instead of warm executors",
     )
     bench.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds a round trip may take (1800)"
@@ -1535,6 +1537,53 @@ def _site(args: argparse.Namespace) -> None:
     )
     site.serve(stop=lambda: bool(stopping))
     print(f"[site] stopped after {site.answered} messages", flush=True)
+
+
+def _add_executor_command(commands: argparse._SubParsersAction) -> None:
+    executor = commands.add_parser(
+        "executor",
+        help="a warm ClientApp executor for a SuperNode started with --isolation process: runs "
+        "every ClientApp task in one long-lived process instead of a fresh process per message",
+    )
+    executor.add_argument(
+        "--runtime-api-address",
+        required=True,
+        help="host:port of the SuperNode's Runtime API (flower-supernode --port)",
+    )
+    executor.add_argument(
+        "--root-certificates",
+        type=Path,
+        default=None,
+        help="CA of the Runtime API's TLS certificate (flower-supernode --ssl-certfile); "
+        "without it the executor talks plain HTTP on the SuperNode's own host",
+    )
+    executor.add_argument(
+        "--poll-interval",
+        type=float,
+        default=None,
+        help="seconds between two polls for a task while idle (default 0.05)",
+    )
+    executor.set_defaults(handler=_executor)
+
+
+def _executor(args: argparse.Namespace) -> None:
+    import signal
+
+    from fedfm.flower.executor import DEFAULT_POLL_INTERVAL, ClientAppExecutor
+
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda number, _frame: stopping.append(number))
+    executor = ClientAppExecutor(
+        args.runtime_api_address,
+        root_certificates=args.root_certificates,
+        poll_interval=DEFAULT_POLL_INTERVAL if args.poll_interval is None else args.poll_interval,
+        log=lambda line: print(line, flush=True),
+    )
+    try:
+        executor.serve(stop=lambda: bool(stopping))
+    finally:
+        executor.close()
+    print(f"[executor] stopped after {len(executor.outcomes)} tasks", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,10 @@ partition, one batch of ``--batch-size`` each, one round, evaluation included) r
     requested backend and with ``simulate`` for the reference loss and accuracy, and
 (b) on a local Deployment Engine as the deployment tests start it
     (``simulations/deploy/local_federation.py``: a TLS SuperLink and authenticated SuperNodes on
-    127.0.0.1), each data owner answering in its long-lived site process (``fedfm site``) or,
-    with ``--compare-clientapp``, also in Flower's per-message ClientApp process.
+    127.0.0.1), each SuperNode started with ``--isolation process`` beside a warm ClientApp
+    executor (``fedfm executor``) and the data owner's long-lived site process (``fedfm site``);
+    with ``--compare-clientapp`` also with Flower's per-message ClientApp process
+    (``flwr-clientapp`` forwarding to the site process, and without site processes).
 
 Both use the server's draws keyed by the same secret file, so they see the same batches and
 permutations. The Deployment Engine needs the repository's ``simulations/deploy`` (run from a
@@ -36,6 +38,7 @@ from fedfm.experiments.results import write_results
 
 DEPLOY = Path(fedfm.__file__).resolve().parents[1] / "simulations" / "deploy"
 SERVER_SECRET_ENV = "FEDFM_SERVER_SECRET_FILE"  # fedfm_strategies.double_blind reads it
+DEPLOYED = "deployment, site processes, warm executors"  # the mode the summary reports
 _ANSWERED = re.compile(r"\[site\] run (\d+): answered (\S+) \(round (\d+)\) in ([0-9.]+) s")
 
 
@@ -131,6 +134,7 @@ def deployment_round(
     workspace: Path,
     *,
     sites: bool,
+    executors: bool = False,
     clients: int,
     node_policy: Mapping[str, Any],
     seconds: float,
@@ -144,10 +148,15 @@ def deployment_round(
     credentials = certificates.make_credentials(workspace / "credentials", nodes=clients)
     federation = local_federation.LocalFederation(workspace / "federation", credentials)
     try:
-        log(f"[bench-round] starting a SuperLink and {clients} SuperNodes (sites={sites})")
+        log(
+            f"[bench-round] starting a SuperLink and {clients} SuperNodes "
+            f"(sites={sites}, executors={executors})"
+        )
         federation.start_superlink()
         federation.register_all(clients)
-        federation.start_supernodes(clients, node_config=dict(node_policy), sites=sites)
+        federation.start_supernodes(
+            clients, node_config=dict(node_policy), sites=sites, executors=executors
+        )
         federation.wait_for_nodes(clients)
         started = time.perf_counter()
         run_id = federation.submit(config)
@@ -272,16 +281,20 @@ def run_round_benchmark(
             rows += [_row("in process", backend, record) for record in records]
         if deployment:
             policy = {"allow-plaintext": True} if backend == "simulate" else {}
-            modes = [("deployment, site processes", True)]
+            modes = [(DEPLOYED, True, True)]
             if compare_clientapp:
-                modes.append(("deployment, ClientApp per message", False))
-            for index, (mode, sites) in enumerate(modes):
+                modes += [
+                    ("deployment, site processes, ClientApp per message", True, False),
+                    ("deployment, ClientApp per message", False, False),
+                ]
+            for index, (mode, sites, executors) in enumerate(modes):
                 log(f"[bench-round] (b) {mode}, {backend}")
                 records = deployment_round(
                     config_for(backend, f"b{index}"),
                     secret,
                     root / f"deploy-{index}",
                     sites=sites,
+                    executors=executors,
                     clients=clients,
                     node_policy=policy,
                     seconds=deployment_seconds,
@@ -298,9 +311,9 @@ def run_round_benchmark(
         return matches[0] if matches else None
 
     in_process = found("in process", 1)
-    deployed = found("deployment, site processes", 1)
+    deployed = found(DEPLOYED, 1)
     later = found("in process", rounds) if rounds > 1 else None
-    later_deployed = found("deployment, site processes", rounds) if rounds > 1 else None
+    later_deployed = found(DEPLOYED, rounds) if rounds > 1 else None
     summary: dict[str, Any] = {
         "backend": backend,
         "clients": clients,
@@ -337,13 +350,15 @@ def run_round_benchmark(
         "outputs; every round's evaluation is then one round trip on the kept outputs. "
         "(a) every party in this process; "
         "(b) a local Deployment Engine as the deployment tests start it: a TLS SuperLink and "
-        f"{clients} authenticated SuperNodes on 127.0.0.1, all on this machine's 2 cores with the "
-        "data owners' site processes (`fedfm site`, one per SuperNode) and, if compared, "
-        "Flower's per-message ClientApp process. server s = round s - time inside round trips; "
+        f"{clients} authenticated SuperNodes on 127.0.0.1, all on this machine's 2 cores, each "
+        "SuperNode with `--isolation process`, a warm ClientApp executor (`fedfm executor`) and "
+        "the data owner's site process (`fedfm site`); if compared, also Flower's per-message "
+        "ClientApp process (`flwr-clientapp`, started by the SuperNode) forwarding to the site "
+        "processes, and without site processes. server s = round s - time inside round trips; "
         "slowest site s = the busiest site's own answering time (from its log); Flower messaging "
         "s = round trips s - slowest site s: what the messages' way through SuperLink, SuperNode "
-        "and the ClientApp process costs. The server's draws are keyed by one secret file in all "
-        "modes, so every mode sees the same batches."
+        "and the ClientApp executor or process costs. The server's draws are keyed by one "
+        "secret file in all modes, so every mode sees the same batches."
     )
     write_results(
         results_dir,

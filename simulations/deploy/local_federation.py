@@ -87,10 +87,28 @@ class SuperNode:
     process: subprocess.Popen[bytes]
     log_path: Path
     command: list[str]
+    runtime_port: int
 
     def log(self) -> str:
         """Everything the process wrote so far."""
         return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Executor:
+    """One warm ClientApp executor (``fedfm executor``) beside a SuperNode started with
+    ``--isolation process``."""
+
+    index: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        """Everything the process wrote so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
 
 @dataclass
@@ -140,6 +158,7 @@ class LocalFederation:
         self.superlink: subprocess.Popen[bytes] | None = None
         self.supernodes: dict[int, SuperNode] = {}
         self.sites: dict[int, Site] = {}
+        self.executors: dict[int, Executor] = {}
         self.node_ids: list[int] = []
         self.marker = f"{MARKER}={uuid.uuid4().hex}"
         self._echo = echo or (lambda _line: None)
@@ -267,12 +286,13 @@ class LocalFederation:
         ``flower-supernode`` as they are (e.g. ``--max-retries 2``).
         """
         config = {"partition-id": index, "num-partitions": num_partitions, **(node_config or {})}
+        runtime_port = free_port()
         command = [
             str(BIN / "flower-supernode"),
             "--superlink",
             self.address,
             "--port",
-            str(free_port()),  # the SuperNode's own Runtime API, for its ClientApp processes
+            str(runtime_port),  # the SuperNode's own Runtime API, for its ClientApp processes
             "--node-config",
             run_config_overrides(config),
         ]
@@ -284,9 +304,37 @@ class LocalFederation:
             command += ["--auth-supernode-private-key", str(private_key)]
         command += list(extra_args)
         process, log_path = self._spawn(command, f"supernode-{index}")
-        node = SuperNode(index, process, log_path, command)
+        node = SuperNode(index, process, log_path, command, runtime_port)
         self.supernodes[index] = node
         return node
+
+    def start_executor(self, node: SuperNode, *, seconds: float = 120.0) -> Executor:
+        """Start a warm ClientApp executor (``fedfm executor``) for ``node``, a SuperNode started
+        with ``--isolation process``; returns once it serves the node's Runtime API."""
+        command = [
+            str(BIN / "fedfm"),
+            "executor",
+            "--runtime-api-address",
+            f"127.0.0.1:{node.runtime_port}",
+        ]
+        process, log_path = self._spawn(command, f"executor-{node.index}")
+        started = Executor(node.index, process, log_path)
+        self.executors[node.index] = started
+        deadline = time.monotonic() + seconds
+        while "[executor] serving" not in started.log():
+            if process.poll() is not None:
+                if time.monotonic() > deadline:
+                    raise DeploymentError(f"executor {node.index} exited:\n{_tail(log_path)}")
+                # the SuperNode's Runtime API may not listen yet: start the executor again
+                time.sleep(0.5)
+                process, log_path = self._spawn(command, f"executor-{node.index}")
+                started = Executor(node.index, process, log_path)
+                self.executors[node.index] = started
+                continue
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"executor {node.index} did not start:\n{_tail(log_path)}")
+            time.sleep(0.2)
+        return started
 
     def data_owner_configs(self, count: int) -> list[dict[str, RunValue]]:
         """Each site's SecAgg identity (made in its own folder) and pins of the other sites.
@@ -347,6 +395,7 @@ class LocalFederation:
         *,
         node_config: Mapping[str, RunValue] | None = None,
         sites: bool = False,
+        executors: bool = False,
     ) -> list[SuperNode]:
         """Start SuperNodes ``0 .. count-1`` with the CA, their registered keys and their SecAgg
         identities and pins (:meth:`data_owner_configs`); each site's own ``node_config`` (e.g.
@@ -354,6 +403,8 @@ class LocalFederation:
 
         ``sites=True``: each data owner's settings go to a long-lived site process instead
         (:meth:`start_site`), and its SuperNode's ClientApp forwards every message there.
+        ``executors=True``: each SuperNode runs with ``--isolation process`` and a warm ClientApp
+        executor (:meth:`start_executor`) instead of a fresh ClientApp process per message.
         """
         owners = [{**site, **(node_config or {})} for site in self.data_owner_configs(count)]
         nodes = []
@@ -369,8 +420,12 @@ class LocalFederation:
                     private_key=self.credentials.node_keys[index],
                     root_certificates=self.credentials.ca_cert,
                     node_config=own,
+                    extra_args=("--isolation", "process") if executors else (),
                 )
             )
+        if executors:
+            for node in nodes:
+                self.start_executor(node)
         return nodes
 
     def kill(self, node: SuperNode, sig: signal.Signals = signal.SIGKILL) -> None:
@@ -532,6 +587,7 @@ class LocalFederation:
         """
         started = [node.process for node in self.supernodes.values()]
         started += [site.process for site in self.sites.values()]
+        started += [executor.process for executor in self.executors.values()]
         if self.superlink is not None:
             started.append(self.superlink)
         below = _descendants([p.pid for p in started if p.poll() is None])

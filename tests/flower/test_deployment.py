@@ -467,6 +467,80 @@ def test_site_processes_answer_a_round_as_the_clientapps_would_and_a_killed_site
     assert not any(site.folder.exists() for site in federation.sites.values())
 
 
+def test_warm_executors_answer_a_round_as_clientapp_processes_would_and_a_killed_one_drops_out(
+    deploy, credentials, student_dir, tmp_path
+) -> None:
+    """Each SuperNode runs with ``--isolation process`` beside a warm ClientApp executor
+    (``fedfm executor``) and a site process: the round gives the in-process runner's metrics and
+    every message ran in an executor. An executor killed mid-round leaves its node's next message
+    unanswered: the server drops the node after the run config's timeout and the run completes
+    with the other two; a restarted executor serves the node again."""
+    _, local_federation = deploy
+    federation = local_federation.LocalFederation(tmp_path / "federation", credentials)
+    try:
+        federation.start_superlink()
+        federation.register_all(NODES)
+        federation.start_supernodes(
+            NODES, node_config={"allow-plaintext": True}, sites=True, executors=True
+        )
+        federation.wait_for_nodes(NODES)
+        for node in federation.supernodes.values():
+            assert node.command[node.command.index("--isolation") + 1] == "process"
+
+        checkpoint = tmp_path / "checkpoint"
+        config = run_config(student_dir, checkpoint)
+        started = time.monotonic()
+        run_id = federation.submit(config)
+        status = federation.wait_for_run(run_id, seconds=600)
+        log = federation.run_log(run_id)
+        assert status == "finished:completed", log[-3000:]
+        print(f"[deployment] a round with warm executors: {time.monotonic() - started:.0f} s")
+        (record,) = history(checkpoint)
+        (expected,) = in_process_history(config, student_dir)
+        assert (record["clients_trained"], record["clients_evaluated"]) == (NODES, NODES)
+        assert record["balanced_accuracy"] == expected.balanced_accuracy
+        assert record["train_loss"] == pytest.approx(expected.train_loss, rel=1e-5)
+        for index, executor in federation.executors.items():
+            ran = executor.log().count(f"run {run_id}: ")
+            answered = federation.sites[index].log().count(f"run {run_id}: answered")
+            # the round's round trips and the setup before it (round 0)
+            assert ran == answered == record["round_trips"] + 1, executor.log()[-2000:]
+            assert "failed" not in executor.log()
+
+        checkpoint = tmp_path / "killed"
+        config = run_config(
+            student_dir,
+            checkpoint,
+            timeout=KILL_TIMEOUT,
+            **{"min-clients": 2, "eval-fraction": 0.05},
+        )
+        run_id = federation.submit(config)
+        victim = federation.executors[NODES - 1]
+        wait_for_log(victim, f"run {run_id}: train.block answered")
+        victim.process.kill()
+        victim.process.wait()
+        status = federation.wait_for_run(run_id, seconds=600)
+        log = federation.run_log(run_id)
+        assert status == "finished:completed", log[-3000:]
+        (record,) = history(checkpoint)
+        assert (record["clients_trained"], record["clients_evaluated"]) == (NODES - 1, 0)
+        victim_id = federation.node_ids[NODES - 1]
+        assert any(str(victim_id) in failure for failure in record["failures"])
+
+        restarted = federation.start_executor(federation.supernodes[NODES - 1])
+        checkpoint = tmp_path / "restarted"
+        config = run_config(student_dir, checkpoint)
+        run_id = federation.submit(config)
+        status = federation.wait_for_run(run_id, seconds=600)
+        log = federation.run_log(run_id)
+        assert status == "finished:completed", log[-3000:]
+        (record,) = history(checkpoint)
+        assert record["clients_trained"] == NODES, (record, restarted.log()[-2000:])
+    finally:
+        federation.close()
+    assert federation.processes() == []
+
+
 # -- the multi-party runtime on the Deployment Engine -------------------------------------------
 
 
