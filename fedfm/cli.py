@@ -1558,6 +1558,13 @@ def _add_executor_command(commands: argparse._SubParsersAction) -> None:
         "without it the executor talks plain HTTP on the SuperNode's own host",
     )
     executor.add_argument(
+        "--superexec-auth-secret-file",
+        type=Path,
+        default=None,
+        help="the secret file the SuperNode was started with (flower-supernode "
+        "--superexec-auth-secret-file): only its holders get tasks; mode 600",
+    )
+    executor.add_argument(
         "--poll-interval",
         type=float,
         default=None,
@@ -1576,6 +1583,7 @@ def _executor(args: argparse.Namespace) -> None:
     executor = ClientAppExecutor(
         args.runtime_api_address,
         root_certificates=args.root_certificates,
+        auth_secret_file=args.superexec_auth_secret_file,
         poll_interval=DEFAULT_POLL_INTERVAL if args.poll_interval is None else args.poll_interval,
         log=lambda line: print(line, flush=True),
     )
@@ -1583,7 +1591,7 @@ def _executor(args: argparse.Namespace) -> None:
         executor.serve(stop=lambda: bool(stopping))
     finally:
         executor.close()
-    print(f"[executor] stopped after {len(executor.outcomes)} tasks", flush=True)
+    print(f"[executor] stopped after {executor.tasks_run} tasks", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

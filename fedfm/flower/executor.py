@@ -25,6 +25,7 @@ The Runtime API calls come from Flower 1.41's own client (``flwr.supercore.runti
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,7 @@ from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_f
 from flwr.supercore.interceptors import (
     RuntimeTokenHttpInterceptor,
     RuntimeVersionHttpInterceptor,
+    SuperExecAuthHttpInterceptor,
 )
 from flwr.supercore.run import Run
 from flwr.supercore.runtime import RuntimeHttpClient
@@ -64,11 +66,15 @@ from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 from fedfm.errors import ConfigError, FedfmError
 
 DEFAULT_POLL_INTERVAL = 0.05  # seconds between AcquireTask calls while idle
+OUTCOMES_KEPT = 1000  # a long-lived executor keeps only its latest tasks' outcomes
 # A task is handed out as soon as the SuperNode creates it, before the SuperNode has fetched the
 # message's objects from the SuperLink: Flower's pull then waits 1 s before its first retry
 # (PULL_INITIAL_BACKOFF), about a second per message on localhost. Retry sooner.
 OBJECT_PULL_BACKOFF = 0.02
 OBJECT_PULL_BACKOFF_CAP = 0.5
+# The Runtime API call a SuperNode with --superexec-auth-secret-file accepts only when signed with
+# that secret (the one flower-superexec signs).
+_SIGNED_METHODS = frozenset({"/flwr.proto.Runtime/AcquireTask"})
 
 
 class ExecutorError(FedfmError):
@@ -97,6 +103,10 @@ class ClientAppExecutor:
     root_certificates:
         The CA of the Runtime API's TLS certificate (``flower-supernode --ssl-certfile``);
         ``None`` talks plain HTTP, as ``flower-superexec --insecure`` does on one host.
+    auth_secret_file:
+        The secret of ``flower-supernode --superexec-auth-secret-file``: the SuperNode then hands
+        tasks only to a process holding it, not to any local process that reaches the port. It
+        must be the operator's alone (no group or other permission bits).
     poll_interval:
         Seconds between two AcquireTask calls while no task waits.
     log:
@@ -108,6 +118,7 @@ class ClientAppExecutor:
         runtime_api_address: str,
         *,
         root_certificates: Path | None = None,
+        auth_secret_file: Path | None = None,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         log: Callable[[str], None] = print,
     ) -> None:
@@ -123,8 +134,16 @@ class ClientAppExecutor:
         )
         self._log = log
         self._apps: dict[str, ClientApp] = {}
-        self.outcomes: list[TaskOutcome] = []
-        self._acquirer = self._client(RuntimeVersionHttpInterceptor(component_name="SuperExec"))
+        self.tasks_run = 0
+        self.outcomes: deque[TaskOutcome] = deque(maxlen=OUTCOMES_KEPT)  # the latest tasks
+        acquiring: list[Any] = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
+        if auth_secret_file is not None:
+            acquiring.append(
+                SuperExecAuthHttpInterceptor(
+                    master_secret=_read_secret(auth_secret_file), protected_methods=_SIGNED_METHODS
+                )
+            )
+        self._acquirer = self._client(*acquiring)
 
     def _client(self, *interceptors: Any) -> RuntimeHttpClient:
         # No retry invoker: a refused or unreachable Runtime API surfaces here at once.
@@ -205,8 +224,12 @@ class ClientAppExecutor:
         finally:
             try:
                 mark = time.perf_counter()
-                if reply is not None and context is not None:
-                    push_message(client, reply, context)
+                try:
+                    if reply is not None and context is not None:
+                        push_message(client, reply, context)
+                except Exception as error:  # the SuperNode or the run went away: next task
+                    status, details = SubStatus.FAILED, f"pushing the reply failed: {error}"
+                    self._log(f"[executor] {details}")
                 phases["push"] = time.perf_counter() - mark
                 mark = time.perf_counter()
                 push_task_output(client=client, context=context, sub_status=status, details=details)
@@ -226,6 +249,7 @@ class ClientAppExecutor:
             details=details,
         )
         self.outcomes.append(outcome)
+        self.tasks_run += 1
         self._log(
             f"[executor] run {outcome.run_id}: {outcome.message_type or '?'} "
             f"{'answered' if outcome.completed else 'failed'} in {outcome.seconds:.3f} s "
@@ -262,6 +286,23 @@ class ClientAppExecutor:
     def close(self) -> None:
         """Close the Runtime API connection."""
         self._acquirer.close()
+
+
+def _read_secret(path: Path) -> bytes:
+    """The SuperExec auth secret in ``path``, refused if missing, empty or readable by others."""
+    try:
+        mode = path.stat().st_mode & 0o777
+        secret = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"cannot read the SuperExec auth secret {path}: {error}") from error
+    if mode & 0o077:
+        raise ConfigError(
+            f"the SuperExec auth secret {path} has mode {mode:o}: group or others can read it "
+            f"(chmod 600 {path})"
+        )
+    if not secret:
+        raise ConfigError(f"the SuperExec auth secret {path} is empty")
+    return secret
 
 
 def _pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, Fab]:

@@ -61,8 +61,10 @@ def rehearse(
     *,
     keep: bool,
     site_config: dict[str, RunValue] | None = None,
+    warm: bool = False,
 ) -> int:
-    """Run the whole rehearsal in ``workspace``; 0 if the run completed."""
+    """Run the whole rehearsal in ``workspace``; 0 if the run completed. ``warm``: every site
+    with a site process and a warm ClientApp executor (``docs/deployment.md``, steps 5b, 5c)."""
     started = time.monotonic()
     _say(f"credentials in {workspace / 'credentials'}")
     credentials = make_credentials(workspace / "credentials", nodes=nodes)
@@ -72,7 +74,9 @@ def rehearse(
         _say(f"operator: register the sites' public keys ({federation.operator_home}/config.toml)")
         federation.register_all(nodes)
         _say(f"sites: {nodes} SuperNodes, each with the CA certificate and its own key")
-        federation.start_supernodes(nodes, node_config=site_config)
+        if warm:
+            _say("each site also runs `fedfm site` and `fedfm executor` (--isolation process)")
+        federation.start_supernodes(nodes, node_config=site_config, sites=warm, executors=warm)
         federation.wait_for_nodes(nodes)
         federation.flwr("supernode", "ls", "fedfm-deploy", capture=False)
         _say(f"all {nodes} SuperNodes online after {time.monotonic() - started:.0f} s")
@@ -117,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         help='every site\'s own node config (its privacy policy), e.g. "min-aggregate=3" '
         "(default: allow-plaintext=true, for the default simulate backend)",
     )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="every site with a long-lived site process and a warm ClientApp executor "
+        "(SuperNodes with --isolation process): the recommended deployment",
+    )
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
@@ -127,11 +137,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.workspace is not None:
             args.workspace.mkdir(parents=True, exist_ok=True)
             return rehearse(
-                args.workspace.resolve(), args.nodes, overrides, keep=True, site_config=site_config
+                args.workspace.resolve(),
+                args.nodes,
+                overrides,
+                keep=True,
+                site_config=site_config,
+                warm=args.warm,
             )
         with tempfile.TemporaryDirectory(prefix="fedfm-rehearsal-") as workspace:
             return rehearse(
-                Path(workspace), args.nodes, overrides, keep=False, site_config=site_config
+                Path(workspace),
+                args.nodes,
+                overrides,
+                keep=False,
+                site_config=site_config,
+                warm=args.warm,
             )
     except DeploymentError as error:
         _say(f"failed: {error}")
