@@ -91,6 +91,7 @@ def run_adaptation(
         secagg_timeout=settings.secagg_timeout,
         min_clients=settings.min_clients,
         log=log,
+        pipelined=settings.pipelined,
     )
 
 

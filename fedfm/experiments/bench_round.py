@@ -289,8 +289,10 @@ def run_round_benchmark(
                 ]
             for index, (mode, sites, executors) in enumerate(modes):
                 log(f"[bench-round] (b) {mode}, {backend}")
+                # with warm executors, the recommended deployment: each site's next request
+                # goes out as soon as its reply is answered (run config `pipelined`)
                 records = deployment_round(
-                    config_for(backend, f"b{index}"),
+                    {**config_for(backend, f"b{index}"), "pipelined": executors},
                     secret,
                     root / f"deploy-{index}",
                     sites=sites,
@@ -352,7 +354,10 @@ def run_round_benchmark(
         "(b) a local Deployment Engine as the deployment tests start it: a TLS SuperLink and "
         f"{clients} authenticated SuperNodes on 127.0.0.1, all on this machine's 2 cores, each "
         "SuperNode with `--isolation process`, a warm ClientApp executor (`fedfm executor`) and "
-        "the data owner's site process (`fedfm site`); if compared, also Flower's per-message "
+        "the data owner's site process (`fedfm site`), the server sending each site its next "
+        "request as soon as its reply is answered (run config `pipelined = true`; in process and "
+        "in the compared modes, every round trip waits for all sites); if compared, also "
+        "Flower's per-message "
         "ClientApp process (`flwr-clientapp`, started by the SuperNode) forwarding to the site "
         "processes, and without site processes. server s = round s - time inside round trips; "
         "slowest site s = the busiest site's own answering time (from its log); Flower messaging "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedfm.errors import ProtocolError
@@ -24,6 +25,34 @@ class FlowerTransport:
     def __init__(self, grid: Grid, *, poll_interval: float = 0.1) -> None:
         self.grid = grid
         self.poll_interval = poll_interval
+        # posted and not yet answered: message id -> (node, deadline or None)
+        self._posted: dict[str, tuple[int, float | None]] = {}
+
+    def post(self, envelope: Envelope, *, timeout: float | None) -> None:
+        """Send one request now; its reply comes from :meth:`replies`."""
+        if any(node == envelope.node_id for node, _ in self._posted.values()):
+            raise ProtocolError(f"node {envelope.node_id} has a request in flight already")
+        message = envelope_to_message(envelope, ttl=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for message_id in self.grid.push_messages([message]):
+            self._posted[message_id] = (envelope.node_id, deadline)
+
+    def replies(self) -> list[Envelope | Failure]:
+        """The posted requests answered (or timed out) by now; waits for at least one."""
+        results: list[Envelope | Failure] = []
+        while self._posted and not results:
+            for message in self.grid.pull_messages(sorted(self._posted)):
+                posted = self._posted.pop(message.metadata.reply_to_message_id, None)
+                if posted is not None:
+                    results.append(_envelope_or_failure(message, posted[0]))
+            now = time.monotonic()
+            for message_id, (node, deadline) in list(self._posted.items()):
+                if deadline is not None and now >= deadline:
+                    del self._posted[message_id]
+                    results.append(Failure(node, "no reply before the timeout"))
+            if not results:
+                time.sleep(self.poll_interval)
+        return results
 
     def send_and_receive(
         self, envelopes: Iterable[Envelope], *, timeout: float | None
@@ -47,19 +76,22 @@ class FlowerTransport:
                 break
             time.sleep(self.poll_interval)
 
-        results: list[Envelope | Failure] = []
-        for node in nodes:
-            reply = replies.get(node)
-            if reply is None:
-                results.append(Failure(node, "no reply before the timeout"))
-            elif reply.has_error():
-                results.append(Failure(node, f"error reply: {reply.error.reason}"))
-            else:
-                try:
-                    results.append(message_to_envelope(reply, node))
-                except ProtocolError as error:
-                    results.append(Failure(node, str(error)))
-        return results
+        return [
+            _envelope_or_failure(replies[node], node)
+            if node in replies
+            else Failure(node, "no reply before the timeout")
+            for node in nodes
+        ]
+
+
+def _envelope_or_failure(reply: Message, node: int) -> Envelope | Failure:
+    """A reply as an envelope; an error reply or a malformed one as a failure of ``node``."""
+    if reply.has_error():
+        return Failure(node, f"error reply: {reply.error.reason}")
+    try:
+        return message_to_envelope(reply, node)
+    except ProtocolError as error:
+        return Failure(node, str(error))
 
 
 def wait_for_nodes(

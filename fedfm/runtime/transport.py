@@ -69,6 +69,16 @@ class Transport(Protocol):
     ) -> list[Envelope | Failure]: ...
 
 
+class PipelinedTransport(Transport, Protocol):
+    """A transport that also keeps requests in flight node by node: :meth:`post` sends one
+    request (at most one in flight per node) and returns at once; :meth:`replies` waits until at
+    least one request in flight was answered or timed out and returns those, each once."""
+
+    def post(self, envelope: Envelope, *, timeout: float | None) -> None: ...
+
+    def replies(self) -> list[Envelope | Failure]: ...
+
+
 ClientHandler = Callable[[Envelope], Envelope]
 Records = tuple[dict[str, np.ndarray], dict[str, ConfigValue]]
 

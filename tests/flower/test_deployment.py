@@ -471,10 +471,11 @@ def test_warm_executors_answer_a_round_as_clientapp_processes_would_and_a_killed
     deploy, credentials, student_dir, tmp_path
 ) -> None:
     """Each SuperNode runs with ``--isolation process`` beside a warm ClientApp executor
-    (``fedfm executor``) and a site process: the round gives the in-process runner's metrics and
-    every message ran in an executor. An executor killed mid-round leaves its node's next message
-    unanswered: the server drops the node after the run config's timeout and the run completes
-    with the other two; a restarted executor serves the node again."""
+    (``fedfm executor``) and a site process: the round (pipelined) gives the in-process
+    runner's metrics and every message ran in an executor. An executor killed mid-round leaves
+    its node's next message unanswered: the server drops the node after the run config's
+    timeout and the run completes with the other two; a restarted executor serves the node
+    again."""
     _, local_federation = deploy
     federation = local_federation.LocalFederation(tmp_path / "federation", credentials)
     try:
@@ -488,7 +489,8 @@ def test_warm_executors_answer_a_round_as_clientapp_processes_would_and_a_killed
             assert node.command[node.command.index("--isolation") + 1] == "process"
 
         checkpoint = tmp_path / "checkpoint"
-        config = run_config(student_dir, checkpoint)
+        # pipelined: each site's next request goes out as soon as its reply is answered
+        config = run_config(student_dir, checkpoint, pipelined=True)
         started = time.monotonic()
         run_id = federation.submit(config)
         status = federation.wait_for_run(run_id, seconds=600)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -645,6 +646,93 @@ def test_server_app_over_flower_messages_equals_the_in_process_run(
     for context in grid.contexts.values():
         secret = bytes(load_state(context.state).group("key")["secret"])
         assert not any(carries(reply, secret) for reply in grid.answered)
+
+
+class LaggingGrid(LoopbackGrid):
+    """A loopback grid whose node ``slow`` answers late: each of its replies shows only after
+    ``lag`` pulls. Records the node of every message pushed, in order."""
+
+    def __init__(self, contexts: dict[int, Context], slow: int, lag: int) -> None:
+        super().__init__(contexts)
+        self.slow, self.lag = slow, lag
+        self.pushed: list[int] = []
+        self.hidden: dict[str, int] = {}
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        messages = list(messages)
+        ids = super().push_messages(messages)
+        for message, message_id in zip(messages, ids, strict=True):
+            self.pushed.append(message.metadata.dst_node_id)
+            if message.metadata.dst_node_id == self.slow:
+                self.hidden[message_id] = self.lag
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        visible = []
+        for message_id in message_ids:
+            if self.hidden.get(message_id, 0) > 0:
+                self.hidden[message_id] -= 1
+            else:
+                visible.append(message_id)
+        return super().pull_messages(visible)
+
+
+def most_between_slow_requests(pushed: list[int], slow: int) -> int:
+    """The most requests one other node got between two consecutive requests of ``slow``."""
+    marks = [index for index, node in enumerate(pushed) if node == slow]
+    return max(
+        max((window.count(node) for node in set(window) - {slow}), default=0)
+        for window in (pushed[a:b] for a, b in itertools.pairwise(marks))
+    )
+
+
+def test_a_pipelined_server_app_does_not_wait_for_a_slow_client_and_equals_the_in_process_run(
+    student_dir, monkeypatch
+) -> None:
+    """``pipelined = true``: a client's next request goes out as soon as its reply is answered.
+    With one client answering late, the others get their next requests before its reply is in;
+    the run still equals the in-process (lockstep) run bit for bit, round trips included."""
+    monkeypatch.setenv(NODE_CONFIG_ENV, "allow-plaintext=true require-secure-aggregation=false")
+    config = run_config(student_dir, **{"secure-aggregation": False, "pipelined": True})
+    slow = 900  # partition 0
+    grid = LaggingGrid(
+        {900 - 7 * k: node_context(900 - 7 * k, k, config) for k in range(3)}, slow, 3
+    )
+    history = run_adaptation(grid, config, **QUIET)
+
+    expected = in_process_history(config, student_dir)
+    for ours, theirs in zip(history, expected, strict=True):
+        assert ours.balanced_accuracy == theirs.balanced_accuracy
+        assert ours.train_loss == theirs.train_loss
+        assert ours.round_trips == theirs.round_trips
+        assert (ours.clients_trained, ours.clients_evaluated) == (3, 3)
+    # between two requests of the slow client, a fast one got two of its own
+    assert most_between_slow_requests(grid.pushed, slow) >= 2, grid.pushed
+
+    # without pipelining, every client waits for the slowest at each round trip
+    lockstep = LaggingGrid(
+        {900 - 7 * k: node_context(900 - 7 * k, k, config) for k in range(3)}, slow, 3
+    )
+    run_adaptation(lockstep, {**config, "pipelined": False}, **QUIET)
+    assert most_between_slow_requests(lockstep.pushed, slow) == 1, lockstep.pushed
+
+
+def test_flower_transport_posts_requests_node_by_node(student_dir) -> None:
+    """``post``/``replies``: answers come as they arrive; a silent node times out; an error
+    reply becomes a failure; a second request in flight to one node is refused."""
+    grid = loopback(run_config(student_dir), silent=[900])
+    transport = FlowerTransport(grid, poll_interval=0.01)
+    transport.post(Envelope(SETUP, 886, 0), timeout=None)
+    transport.post(Envelope(TRAIN_LOSS, 893, 1), timeout=None)
+    transport.post(Envelope(SETUP, 900, 0), timeout=0.05)
+    with pytest.raises(ProtocolError, match="in flight already"):
+        transport.post(Envelope(SETUP, 900, 0), timeout=None)
+    first = transport.replies()
+    by_node = {reply.node_id: reply for reply in first}
+    assert isinstance(by_node[886], Envelope) and by_node[886].message_type == SETUP
+    assert isinstance(by_node[893], Failure) and "cannot accept" in by_node[893].reason
+    assert 900 not in by_node  # still waiting for its timeout
+    assert transport.replies() == [Failure(900, "no reply before the timeout")]
 
 
 def test_flower_transport_turns_silence_and_errors_into_failures(student_dir) -> None:

@@ -36,7 +36,7 @@ from fedfm.protocols.double_blind.server import (
     balanced_accuracy,
 )
 from fedfm.protocols.secure_aggregation import run_secure_aggregation
-from fedfm.runtime.transport import Envelope, Failure, Transport
+from fedfm.runtime.transport import Envelope, Failure, PipelinedTransport, Transport
 from fedfm.secagg import ArrayLayout, SecAggConfig
 
 PROGRESS_SECONDS = 10.0  # at most one progress line per phase this often
@@ -121,11 +121,13 @@ class RoundRecord:
 
 
 class _TimedTransport:
-    """A transport that records how long each round trip took (for the round record)."""
+    """A transport that records how long each round trip took (for the round record); with a
+    pipelined inner transport, each request's time from post to reply."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.durations: list[float] = []
+        self._posted: dict[int, float] = {}
 
     def send_and_receive(
         self, envelopes: Iterable[Envelope], *, timeout: float | None = None
@@ -135,6 +137,30 @@ class _TimedTransport:
             return self.inner.send_and_receive(envelopes, timeout=timeout)
         finally:
             self.durations.append(time.perf_counter() - started)
+
+    @property
+    def pipelined(self) -> PipelinedTransport | None:
+        """The inner transport if it can keep requests in flight node by node."""
+        inner = self.inner
+        return inner if hasattr(inner, "post") and hasattr(inner, "replies") else None  # type: ignore[return-value]
+
+    def post(self, envelope: Envelope, *, timeout: float | None) -> None:
+        inner = self.pipelined
+        if inner is None:
+            raise ProtocolError(f"{type(self.inner).__name__} cannot pipeline requests")
+        self._posted[envelope.node_id] = time.perf_counter()
+        inner.post(envelope, timeout=timeout)
+
+    def replies(self) -> list[Envelope | Failure]:
+        inner = self.pipelined
+        if inner is None:
+            raise ProtocolError(f"{type(self.inner).__name__} cannot pipeline requests")
+        answered = inner.replies()
+        now = time.perf_counter()
+        for reply in answered:
+            if (posted := self._posted.pop(reply.node_id, None)) is not None:
+                self.durations.append(now - posted)
+        return answered
 
 
 @dataclass
@@ -147,6 +173,71 @@ class RunState:
     rng_state: dict[str, Any] = field(default_factory=dict)
 
 
+def _answer(
+    server: DoubleBlindServer,
+    reply: Envelope | Failure,
+    failures: list[str],
+    log: Callable[[str], None],
+) -> Envelope | ClientUpdate | EvaluationResult | None:
+    """The server's answer to one reply: the node's next request, its result, or ``None`` when
+    the node left the round (its failure recorded)."""
+    if isinstance(reply, Failure):
+        failures.append(f"node {reply.node_id}: {reply.reason}")
+        log(f"[fedfm] node {reply.node_id} left the round: {reply.reason}")
+        server.abandon(reply.node_id)
+        return None
+    try:
+        return server.on_reply(reply)
+    except FedfmError as error:
+        failures.append(f"node {reply.node_id}: {error}")
+        log(f"[fedfm] node {reply.node_id} left the round: {error}")
+        server.abandon(reply.node_id)
+        return None
+
+
+def _exchange_pipelined(
+    server: DoubleBlindServer,
+    transport: _TimedTransport,
+    requests: list[Envelope],
+    *,
+    timeout: float | None,
+    failures: list[str],
+    log: Callable[[str], None],
+    progress: Callable[[int, list[Envelope]], None] | None = None,
+) -> tuple[list[ClientUpdate | EvaluationResult], int]:
+    """:func:`_exchange` with each client's next request sent as soon as its reply is answered,
+    not once every client's reply is in: one client's round trips overlap the others' and the
+    server's work on them. The messages each client gets are the same; the round trips counted
+    are the most any client took."""
+    # (messages the client took, its place among the requests, result): sorted as the lockstep
+    # exchange lists them, so that aggregation adds the same numbers in the same order
+    finished: list[tuple[int, int, ClientUpdate | EvaluationResult]] = []
+    place = {request.node_id: index for index, request in enumerate(requests)}
+    in_flight: dict[int, Envelope] = {}
+    sent: dict[int, int] = {}
+
+    def post(request: Envelope) -> None:
+        in_flight[request.node_id] = request
+        sent[request.node_id] = sent.get(request.node_id, 0) + 1
+        transport.post(request, timeout=timeout)
+
+    for request in requests:
+        post(request)
+    while in_flight:
+        if progress is not None:
+            progress(max(sent.values()) - 1, list(in_flight.values()))
+        for reply in transport.replies():
+            if in_flight.pop(reply.node_id, None) is None:
+                continue  # not a request of this exchange
+            outcome = _answer(server, reply, failures, log)
+            if isinstance(outcome, Envelope):
+                post(outcome)
+            elif outcome is not None:
+                finished.append((sent[reply.node_id], place[reply.node_id], outcome))
+    finished.sort(key=lambda entry: entry[:2])
+    return [outcome for _, _, outcome in finished], max(sent.values(), default=0)
+
+
 def _exchange(
     server: DoubleBlindServer,
     transport: Transport,
@@ -156,9 +247,22 @@ def _exchange(
     failures: list[str],
     log: Callable[[str], None],
     progress: Callable[[int, list[Envelope]], None] | None = None,
+    pipelined: bool = False,
 ) -> tuple[list[ClientUpdate | EvaluationResult], int]:
     """Send requests and keep answering replies until every client reached a result or failed;
-    ``progress`` hears the round trips so far and the requests about to go out."""
+    ``progress`` hears the round trips so far and the requests about to go out. ``pipelined``
+    (with a transport that can, :class:`~fedfm.runtime.transport.PipelinedTransport`): each
+    client's next request goes out as soon as its reply is answered."""
+    if pipelined and isinstance(transport, _TimedTransport) and transport.pipelined is not None:
+        return _exchange_pipelined(
+            server,
+            transport,
+            requests,
+            timeout=timeout,
+            failures=failures,
+            log=log,
+            progress=progress,
+        )
     results: list[ClientUpdate | EvaluationResult] = []
     trips = 0
     while requests:
@@ -170,21 +274,10 @@ def _exchange(
         next_requests: list[Envelope] = []
         for reply in replies:
             answered.add(reply.node_id)
-            if isinstance(reply, Failure):
-                failures.append(f"node {reply.node_id}: {reply.reason}")
-                log(f"[fedfm] node {reply.node_id} left the round: {reply.reason}")
-                server.abandon(reply.node_id)
-                continue
-            try:
-                outcome = server.on_reply(reply)
-            except FedfmError as error:
-                failures.append(f"node {reply.node_id}: {error}")
-                log(f"[fedfm] node {reply.node_id} left the round: {error}")
-                server.abandon(reply.node_id)
-                continue
+            outcome = _answer(server, reply, failures, log)
             if isinstance(outcome, Envelope):
                 next_requests.append(outcome)
-            else:
+            elif outcome is not None:
                 results.append(outcome)
         for request in requests:
             if request.node_id not in answered:
@@ -349,8 +442,13 @@ def run_double_blind(
     min_clients: int = 1,
     log: Callable[[str], None] = print,
     progress_every: float = PROGRESS_SECONDS,
+    pipelined: bool = False,
 ) -> list[RoundRecord]:
     """Run setup and all rounds; return the history (one record per round).
+
+    ``pipelined``: with a transport that can keep requests in flight node by node (Flower's),
+    each client's next training or evaluation request goes out as soon as its reply is answered
+    instead of once every client's reply is in (the SecAgg stages stay in lockstep).
 
     ``timeout`` bounds each round trip of setup, training and evaluation, ``secagg_timeout``
     each SecAgg stage (``None``: no limit). A client that does not answer in time leaves the
@@ -402,7 +500,13 @@ def run_double_blind(
         started = time.perf_counter()
         timed.durations.clear()
         failures = []
-        phase = {"transport": timed, "timeout": timeout, "failures": failures, "log": log}
+        phase: dict[str, Any] = {
+            "transport": timed,
+            "timeout": timeout,
+            "failures": failures,
+            "log": log,
+            "pipelined": pipelined,
+        }
         heading = f"round {server_round}/{config.rounds} [{config.backend}]"
         outcomes, train_trips = _phase(
             server,

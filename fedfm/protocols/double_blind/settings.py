@@ -53,6 +53,7 @@ DEFAULTS: dict[str, RunValue] = {
     "timeout": 300.0,
     "secagg-timeout": 30.0,
     "connect-timeout": 60.0,
+    "pipelined": False,
     "min-clients": 1,
     "checkpoint-dir": "",
     # where each app's plaintext torch runs (fedfm.models.device: auto, cpu, cuda, cuda:N); a
@@ -90,6 +91,10 @@ class AppSettings:
         Seconds the ServerApp waits for ``num_clients`` nodes to connect.
     min_clients:
         Fewest clients that must complete setup and each round's training.
+    pipelined:
+        Send each client its next training or evaluation request as soon as its reply is
+        answered, not once every client's reply is in (the server's scheduling; what each client
+        receives is the same).
     checkpoint_dir:
         Where the driver saves the global adapter and history after every round (``None``: no
         checkpoints, no resuming).
@@ -108,6 +113,7 @@ class AppSettings:
     min_clients: int
     checkpoint_dir: Path | None
     device: str = "auto"
+    pipelined: bool = False
 
 
 def _typed(values: Mapping[str, object], key: str) -> RunValue:
@@ -189,6 +195,7 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         min_clients=int(v["min-clients"]),
         checkpoint_dir=Path(str(v["checkpoint-dir"])) if v["checkpoint-dir"] else None,
         device=str(v["device"]),
+        pipelined=bool(v["pipelined"]),
     )
 
 
