@@ -8,9 +8,10 @@ partition, one batch of ``--batch-size`` each, one round, evaluation included) r
 (b) on a local Deployment Engine as the deployment tests start it
     (``simulations/deploy/local_federation.py``: a TLS SuperLink and authenticated SuperNodes on
     127.0.0.1), each SuperNode started with ``--isolation process`` beside a warm ClientApp
-    executor (``fedfm executor``) and the data owner's long-lived site process (``fedfm site``);
-    with ``--compare-clientapp`` also with Flower's per-message ClientApp process
-    (``flwr-clientapp`` forwarding to the site process, and without site processes).
+    executor (``fedfm executor``) and the data owner's long-lived site process (``fedfm site``),
+    the server pipelined (run config ``pipelined``); with ``--compare-clientapp`` also with
+    Flower's per-message ClientApp process (``flwr-clientapp`` forwarding to the site process,
+    and without site processes), in lockstep.
 
 Both use the server's draws keyed by the same secret file, so they see the same batches and
 permutations. The Deployment Engine needs the repository's ``simulations/deploy`` (run from a
