@@ -95,9 +95,8 @@ class SuperNode:
 
 
 @dataclass
-class Executor:
-    """One warm ClientApp executor (``fedfm executor``) beside a SuperNode started with
-    ``--isolation process``."""
+class _LoggedProcess:
+    """A process this federation started, with the log it writes."""
 
     index: int
     process: subprocess.Popen[bytes]
@@ -112,20 +111,16 @@ class Executor:
 
 
 @dataclass
-class Site:
+class Executor(_LoggedProcess):
+    """One warm ClientApp executor (``fedfm executor``) beside a SuperNode started with
+    ``--isolation process``."""
+
+
+@dataclass
+class Site(_LoggedProcess):
     """One data owner's site process (``fedfm site``): its role, keys and data in memory."""
 
-    index: int
-    process: subprocess.Popen[bytes]
-    log_path: Path
     folder: Path
-
-    def log(self) -> str:
-        """Everything the process wrote so far."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
 
 
 class LocalFederation:
