@@ -78,7 +78,7 @@ def run_adaptation(
     )
     return run_double_blind(
         server,
-        FlowerTransport(grid),
+        FlowerTransport(grid, keep_warm=settings.keep_warm),
         nodes,
         aggregator=StrategyAggregator(strategy),
         checkpoint_dir=settings.checkpoint_dir,

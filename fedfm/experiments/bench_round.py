@@ -9,9 +9,10 @@ partition, one batch of ``--batch-size`` each, one round, evaluation included) r
     (``simulations/deploy/local_federation.py``: a TLS SuperLink and authenticated SuperNodes on
     127.0.0.1), each SuperNode started with ``--isolation process`` beside a warm ClientApp
     executor (``fedfm executor``) and the data owner's long-lived site process (``fedfm site``),
-    the server pipelined (run config ``pipelined``); with ``--compare-clientapp`` also with
-    Flower's per-message ClientApp process (``flwr-clientapp`` forwarding to the site process,
-    and without site processes), in lockstep.
+    the server pipelined (run config ``pipelined``) and keeping each SuperNode awake with a hold
+    after each request (``keep-warm``); with ``--compare-clientapp`` also without the holds, and
+    with Flower's per-message ClientApp process (``flwr-clientapp`` forwarding to the site
+    process, and without site processes), in lockstep.
 
 Both use the server's draws keyed by the same secret file, so they see the same batches and
 permutations. The Deployment Engine needs the repository's ``simulations/deploy`` (run from a
@@ -39,7 +40,8 @@ from fedfm.experiments.results import write_results
 
 DEPLOY = Path(fedfm.__file__).resolve().parents[1] / "simulations" / "deploy"
 SERVER_SECRET_ENV = "FEDFM_SERVER_SECRET_FILE"  # fedfm_strategies.double_blind reads it
-DEPLOYED = "deployment, site processes, warm executors"  # the mode the summary reports
+WARM = "deployment, site processes, warm executors"
+DEPLOYED = f"{WARM}, keep-warm"  # the mode the summary reports
 _ANSWERED = re.compile(r"\[site\] run (\d+): answered (\S+) \(round (\d+)\) in ([0-9.]+) s")
 
 
@@ -282,18 +284,22 @@ def run_round_benchmark(
             rows += [_row("in process", backend, record) for record in records]
         if deployment:
             policy = {"allow-plaintext": True} if backend == "simulate" else {}
-            modes = [(DEPLOYED, True, True)]
+            # (mode, site processes, warm executors, keep-warm holds)
+            modes = [(DEPLOYED, True, True, True)]
             if compare_clientapp:
                 modes += [
-                    ("deployment, site processes, ClientApp per message", True, False),
-                    ("deployment, ClientApp per message", False, False),
+                    (f"{WARM}, no keep-warm", True, True, False),
+                    ("deployment, site processes, ClientApp per message", True, False, False),
+                    ("deployment, ClientApp per message", False, False, False),
                 ]
-            for index, (mode, sites, executors) in enumerate(modes):
+            for index, (mode, sites, executors, keep_warm) in enumerate(modes):
                 log(f"[bench-round] (b) {mode}, {backend}")
                 # with warm executors, the recommended deployment: each site's next request
-                # goes out as soon as its reply is answered (run config `pipelined`)
+                # goes out as soon as its reply is answered (run config `pipelined`), a hold
+                # after each request keeps its SuperNode awake (`keep-warm`)
+                changes = {"pipelined": executors, "keep-warm": keep_warm}
                 records = deployment_round(
-                    {**config_for(backend, f"b{index}"), "pipelined": executors},
+                    {**config_for(backend, f"b{index}"), **changes},
                     secret,
                     root / f"deploy-{index}",
                     sites=sites,
@@ -357,8 +363,10 @@ def run_round_benchmark(
         "SuperNode with `--isolation process`, a warm ClientApp executor (`fedfm executor`) and "
         "the data owner's site process (`fedfm site`), the server sending each site its next "
         "request as soon as its reply is answered (run config `pipelined = true`; in process and "
-        "in the compared modes, every round trip waits for all sites); if compared, also "
-        "Flower's per-message "
+        "in the per-message modes, every round trip waits for all sites) and following each "
+        "request with a hold message that keeps the SuperNode busy until about when its next "
+        "request is due (run config `keep-warm = true`); if compared, also warm executors "
+        "without the holds, Flower's per-message "
         "ClientApp process (`flwr-clientapp`, started by the SuperNode) forwarding to the site "
         "processes, and without site processes. server s = round s - time inside round trips; "
         "slowest site s = the busiest site's own answering time (from its log); Flower messaging "

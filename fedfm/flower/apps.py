@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, cast
 
-from flwr.app import Context, Error, Message
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
@@ -33,7 +34,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedfm.errors import ConfigError, FedfmError, ProtocolAbort
 from fedfm.flower.codec import (
+    HOLD_MESSAGE_TYPE,
     envelope_to_reply,
+    hold_seconds,
     load_state,
     message_to_envelope,
     save_state,
@@ -104,6 +107,19 @@ def _answer_at_site(message: Message, context: Context, folder: str) -> Message:
     return envelope_to_reply(reply, message)
 
 
+def answer_hold(message: Message, context: Context) -> Message:
+    """A keep-warm hold (:data:`~fedfm.flower.codec.HOLD_MESSAGE_TYPE`): wait as asked (at most
+    ``MAX_HOLD_SECONDS``), then reply with nothing. No state is read or written and no site
+    process is asked: a hold only keeps the SuperNode from its idle sleep."""
+    del context  # a hold touches no state
+    try:
+        seconds = hold_seconds(message)
+    except FedfmError as error:
+        return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(error)), reply_to=message)
+    time.sleep(seconds)
+    return Message(RecordDict(), reply_to=message)
+
+
 def make_client_app(
     role_of: RoleOf[StateT],
     state_type: type[StateT] | Callable[[], type[StateT]],
@@ -157,6 +173,10 @@ def make_client_app(
 
     app = ClientApp()
     register = {"train": app.train, "evaluate": app.evaluate, "query": app.query}
+    message_types = list(message_types)
+    if HOLD_MESSAGE_TYPE in message_types:
+        raise ConfigError(f"{HOLD_MESSAGE_TYPE} is fedfm's keep-warm message, not a role's")
+    register["query"](HOLD_MESSAGE_TYPE.partition(".")[2])(answer_hold)
     for message_type in message_types:
         category, _, action = message_type.partition(".")
         if action:

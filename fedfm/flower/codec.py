@@ -141,3 +141,42 @@ def message_to_envelope(message: Message, node_id: int) -> Envelope:
         arrays=from_array_record(arrays),
         config=dict(config),  # type: ignore[arg-type]  # scalars only, as sent
     )
+
+
+# -- hold messages (keep-warm) --------------------------------------------------------------------
+# A hold keeps a SuperNode busy while the server works out that node's next request: Flower's
+# SuperNode sleeps a fixed 3 s whenever it asks for a message and finds none, so a node whose
+# reply the server answers 0.5 s later would otherwise wait 3 s for it. A ClientApp answers a
+# hold by waiting (at most MAX_HOLD_SECONDS) and replying with nothing; it touches no state.
+HOLD_MESSAGE_TYPE = "query.fedfm_hold"
+HOLD = "fedfm.hold"
+MAX_HOLD_SECONDS = 30.0
+
+
+def hold_message(node_id: int, seconds: float, *, ttl: float | None = None) -> Message:
+    """A hold for ``node_id``: its ClientApp waits ``seconds`` before answering."""
+    if not 0.0 <= seconds <= MAX_HOLD_SECONDS:
+        raise ProtocolError(f"a hold lasts 0 to {MAX_HOLD_SECONDS:g} s, not {seconds!r}")
+    return Message(
+        RecordDict({HOLD: ConfigRecord({"seconds": float(seconds)})}),
+        dst_node_id=node_id,
+        message_type=HOLD_MESSAGE_TYPE,
+        ttl=ttl,
+    )
+
+
+def hold_seconds(message: Message) -> float:
+    """How long the hold ``message`` asks its ClientApp to wait.
+
+    Raises
+    ------
+    ProtocolError
+        If the message is not a well-formed hold or asks for more than ``MAX_HOLD_SECONDS``.
+    """
+    record = message.content.get(HOLD) if message.has_content() else None
+    seconds = record.get("seconds") if isinstance(record, ConfigRecord) else None
+    if isinstance(seconds, bool) or not isinstance(seconds, float | int):
+        raise ProtocolError(f"a {HOLD_MESSAGE_TYPE} message lacks its {HOLD!r} seconds")
+    if not 0.0 <= seconds <= MAX_HOLD_SECONDS:
+        raise ProtocolError(f"a hold lasts 0 to {MAX_HOLD_SECONDS:g} s, not {seconds!r}")
+    return float(seconds)

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedfm.errors import ProtocolError
-from fedfm.flower.codec import envelope_to_message, message_to_envelope
+from fedfm.flower.codec import (
+    MAX_HOLD_SECONDS,
+    envelope_to_message,
+    hold_message,
+    message_to_envelope,
+)
 from fedfm.runtime.transport import Envelope, Failure
+
+# keep-warm: a node's hold lasts HOLD_MARGIN times the upper quartile of the server's last
+# HOLD_WINDOW answer times for that node, plus HOLD_SLACK seconds (the reply's way to the server);
+# HOLD_FIRST before any is known. Too short a hold costs the SuperNode's 3-s sleep, too long one
+# only its excess: the margin errs long.
+HOLD_MARGIN = 1.25
+HOLD_SLACK = 0.25
+HOLD_FIRST = 0.5
+HOLD_WINDOW = 8
 
 
 class FlowerTransport:
@@ -22,11 +38,62 @@ class FlowerTransport:
     malformed reply and a missing reply all become a :class:`~fedfm.runtime.transport.Failure`.
     """
 
-    def __init__(self, grid: Grid, *, poll_interval: float = 0.1) -> None:
+    def __init__(self, grid: Grid, *, poll_interval: float = 0.1, keep_warm: bool = False) -> None:
         self.grid = grid
         self.poll_interval = poll_interval
+        self.keep_warm = keep_warm
         # posted and not yet answered: message id -> (node, deadline or None)
         self._posted: dict[str, tuple[int, float | None]] = {}
+        # keep-warm: holds not yet answered (message id -> when to stop pulling for it), when
+        # each node's last reply came in, and the server's last answer times per node
+        self._holds: dict[str, float] = {}
+        self._answered_at: dict[int, float] = {}
+        self._answer_times: dict[int, deque[float]] = {}
+        self.holds_sent = 0
+
+    def hold_seconds(self, node: int) -> float:
+        """How long the next hold for ``node`` lasts (see ``HOLD_MARGIN``)."""
+        recent = self._answer_times.get(node)
+        if not recent:
+            return HOLD_FIRST
+        upper = statistics.quantiles(recent, n=4)[2] if len(recent) > 1 else recent[0]
+        return min(MAX_HOLD_SECONDS, HOLD_MARGIN * upper + HOLD_SLACK)
+
+    def _push(self, messages: list[Message], timeout: float | None) -> list[str]:
+        """Push ``messages``; with ``keep_warm``, then one hold for each of their nodes."""
+        pushed = list(self.grid.push_messages(messages))
+        if not self.keep_warm:
+            return pushed
+        now = time.monotonic()
+        holds = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            if (answered := self._answered_at.pop(node, None)) is not None:
+                self._answer_times.setdefault(node, deque(maxlen=HOLD_WINDOW)).append(
+                    now - answered
+                )
+            # pushed after the request, so the SuperNode takes it once the request is answered
+            holds.append(hold_message(node, self.hold_seconds(node), ttl=timeout))
+        forget_at = now + (MAX_HOLD_SECONDS if timeout is None else timeout) + MAX_HOLD_SECONDS
+        for message_id in self.grid.push_messages(holds):
+            self._holds[message_id] = forget_at
+        self.holds_sent += len(holds)
+        return pushed
+
+    def _pull(self, message_ids: Iterable[str]) -> list[Message]:
+        """The replies to ``message_ids`` in by now; replies to holds are pulled and dropped."""
+        now = time.monotonic()
+        for message_id, forget_at in list(self._holds.items()):
+            if now >= forget_at:  # expired unanswered (a node that left): stop asking
+                del self._holds[message_id]
+        replies = []
+        for message in self.grid.pull_messages([*message_ids, *self._holds]):
+            replied_to = message.metadata.reply_to_message_id
+            if self._holds.pop(replied_to, None) is None:
+                replies.append(message)
+                if self.keep_warm:
+                    self._answered_at[message.metadata.src_node_id] = now
+        return replies
 
     def post(self, envelope: Envelope, *, timeout: float | None) -> None:
         """Send one request now; its reply comes from :meth:`replies`."""
@@ -34,14 +101,14 @@ class FlowerTransport:
             raise ProtocolError(f"node {envelope.node_id} has a request in flight already")
         message = envelope_to_message(envelope, ttl=timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        for message_id in self.grid.push_messages([message]):
+        for message_id in self._push([message], timeout):
             self._posted[message_id] = (envelope.node_id, deadline)
 
     def replies(self) -> list[Envelope | Failure]:
         """The posted requests answered (or timed out) by now; waits for at least one."""
         results: list[Envelope | Failure] = []
         while self._posted and not results:
-            for message in self.grid.pull_messages(sorted(self._posted)):
+            for message in self._pull(sorted(self._posted)):
                 posted = self._posted.pop(message.metadata.reply_to_message_id, None)
                 if posted is not None:
                     results.append(_envelope_or_failure(message, posted[0]))
@@ -63,13 +130,13 @@ class FlowerTransport:
         if len(set(nodes)) != len(nodes):
             raise ProtocolError("a round trip carries at most one envelope per node")
         messages = [envelope_to_message(envelope, ttl=timeout) for envelope in envelopes]
-        pushed = set(self.grid.push_messages(messages))
+        pushed = set(self._push(messages, timeout))
         node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         waiting = {message_id for message_id in pushed if message_id in node_of}
         replies = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while waiting:
-            for message in self.grid.pull_messages(sorted(waiting)):
+            for message in self._pull(sorted(waiting)):
                 waiting.discard(message.metadata.reply_to_message_id)
                 replies[node_of[message.metadata.reply_to_message_id]] = message
             if not waiting or (deadline is not None and time.monotonic() >= deadline):

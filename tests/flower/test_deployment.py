@@ -24,6 +24,7 @@ import pytest
 from fedfm.crypto.randomness import SecretStream, write_secret_file
 from fedfm.data import load_splits
 from fedfm.distillation.pipeline import load_student
+from fedfm.flower.codec import HOLD_MESSAGE_TYPE
 from fedfm.protocols.double_blind.policy import DataOwnerPolicy
 from fedfm.protocols.double_blind.runner import run_in_process
 from fedfm.protocols.double_blind.settings import app_settings
@@ -471,8 +472,9 @@ def test_warm_executors_answer_a_round_as_clientapp_processes_would_and_a_killed
     deploy, credentials, student_dir, tmp_path
 ) -> None:
     """Each SuperNode runs with ``--isolation process`` beside a warm ClientApp executor
-    (``fedfm executor``) and a site process: the round (pipelined) gives the in-process
-    runner's metrics and every message ran in an executor. An executor killed mid-round leaves
+    (``fedfm executor``) and a site process: the round (pipelined, with keep-warm holds)
+    gives the in-process runner's metrics, every message ran in an executor and the holds were
+    answered there without reaching the site. An executor killed mid-round leaves
     its node's next message unanswered: the server drops the node after the run config's
     timeout and the run completes with the other two; a restarted executor serves the node
     again."""
@@ -489,8 +491,9 @@ def test_warm_executors_answer_a_round_as_clientapp_processes_would_and_a_killed
             assert node.command[node.command.index("--isolation") + 1] == "process"
 
         checkpoint = tmp_path / "checkpoint"
-        # pipelined: each site's next request goes out as soon as its reply is answered
-        config = run_config(student_dir, checkpoint, pipelined=True)
+        # pipelined: each site's next request goes out as soon as its reply is answered;
+        # keep-warm: a hold after each request keeps the SuperNode from its 3-s idle sleep
+        config = run_config(student_dir, checkpoint, pipelined=True, **{"keep-warm": True})
         started = time.monotonic()
         run_id = federation.submit(config)
         status = federation.wait_for_run(run_id, seconds=600)
@@ -503,10 +506,13 @@ def test_warm_executors_answer_a_round_as_clientapp_processes_would_and_a_killed
         assert record["balanced_accuracy"] == expected.balanced_accuracy
         assert record["train_loss"] == pytest.approx(expected.train_loss, rel=1e-5)
         for index, executor in federation.executors.items():
-            ran = executor.log().count(f"run {run_id}: ")
+            requests = record["round_trips"] + 1  # the round's round trips and the setup
+            ran = executor.log().count(f"run {run_id}: ") - executor.log().count(HOLD_MESSAGE_TYPE)
             answered = federation.sites[index].log().count(f"run {run_id}: answered")
-            # the round's round trips and the setup before it (round 0)
-            assert ran == answered == record["round_trips"] + 1, executor.log()[-2000:]
+            assert ran == answered == requests, executor.log()[-2000:]
+            # one hold after each request (the last may come after the run ended)
+            holds = executor.log().count(f"run {run_id}: {HOLD_MESSAGE_TYPE} answered")
+            assert requests - 1 <= holds <= requests, executor.log()[-2000:]
             assert "failed" not in executor.log()
 
         checkpoint = tmp_path / "killed"

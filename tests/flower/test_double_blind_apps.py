@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Iterable
 from dataclasses import asdict, replace
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import tenseal as ts
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import (
     context_from_proto,
@@ -35,9 +36,16 @@ from fedfm.data import load_splits
 from fedfm.distillation.pipeline import ApproxSettings, load_student, save_student
 from fedfm.distillation.text import kept_student_path, polynomial_student, student_run
 from fedfm.errors import ConfigError, ProtocolError
-from fedfm.flower.apps import NODE_CONFIG_ENV, parse_node_config
-from fedfm.flower.codec import envelope_to_message, envelope_to_reply, message_to_envelope
-from fedfm.flower.transport import FlowerTransport
+from fedfm.flower.apps import NODE_CONFIG_ENV, make_client_app, parse_node_config
+from fedfm.flower.codec import (
+    HOLD_MESSAGE_TYPE,
+    envelope_to_message,
+    envelope_to_reply,
+    hold_message,
+    hold_seconds,
+    message_to_envelope,
+)
+from fedfm.flower.transport import HOLD_FIRST, HOLD_MARGIN, HOLD_SLACK, FlowerTransport
 from fedfm.models import ModelSpec, to_fhe_friendly
 from fedfm.models.fhe_text import load_text_encoder, to_fhe_text
 from fedfm.models.student import TextStudentSource
@@ -733,6 +741,82 @@ def test_flower_transport_posts_requests_node_by_node(student_dir) -> None:
     assert isinstance(by_node[893], Failure) and "cannot accept" in by_node[893].reason
     assert 900 not in by_node  # still waiting for its timeout
     assert transport.replies() == [Failure(900, "no reply before the timeout")]
+
+
+class RecordingGrid(LoopbackGrid):
+    """A loopback grid that keeps every message pushed, in order, as the node received it."""
+
+    def __init__(self, contexts: dict[int, Context], silent: Iterable[int] = ()) -> None:
+        super().__init__(contexts, silent)
+        self.pushed: list[Message] = []
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        messages = list(messages)
+        ids = super().push_messages(messages)
+        self.pushed.extend(messages)
+        return ids
+
+
+def test_flower_transport_keeps_each_node_warm_with_a_hold_after_its_request(
+    student_dir, monkeypatch
+) -> None:
+    """``keep_warm``: every request is followed by a hold for the same node, whose length
+    follows the server's answer time for that node; the ClientApp answers a hold without
+    touching its state, and the hold replies are pulled and dropped, never returned."""
+    grid = RecordingGrid(loopback(run_config(student_dir)).contexts)
+    transport = FlowerTransport(grid, poll_interval=0.01, keep_warm=True)
+    transport.post(Envelope(SETUP, 886, 0), timeout=None)
+    (reply,) = transport.replies()
+    assert isinstance(reply, Envelope) and reply.message_type == SETUP
+    state = dict(grid.contexts[886].state)
+    time.sleep(0.2)  # the server's "answer time" for node 886
+    replies = transport.send_and_receive(
+        [Envelope(SETUP, 893, 0), Envelope(TRAIN_LOSS, 886, 1)], timeout=None
+    )
+    assert [type(r).__name__ for r in replies] == ["Envelope", "Failure"]  # no hold among them
+
+    kinds = [(m.metadata.message_type, m.metadata.dst_node_id) for m in grid.pushed]
+    assert kinds == [
+        (SETUP, 886),
+        (HOLD_MESSAGE_TYPE, 886),
+        (SETUP, 893),
+        (TRAIN_LOSS, 886),
+        (HOLD_MESSAGE_TYPE, 893),
+        (HOLD_MESSAGE_TYPE, 886),
+    ]
+    first, hold_893, hold_886 = (
+        hold_seconds(m) for m in grid.pushed if m.metadata.message_type == HOLD_MESSAGE_TYPE
+    )
+    assert first == hold_893 == HOLD_FIRST  # nothing measured yet for these nodes
+    assert HOLD_MARGIN * 0.2 + HOLD_SLACK <= hold_886 <= HOLD_MARGIN * 0.5 + HOLD_SLACK
+    assert transport.holds_sent == 3 and not transport._holds and not grid.replies
+    holds = [m for m in grid.answered if m.metadata.message_type == HOLD_MESSAGE_TYPE]
+    assert len(holds) == 3 and not any(m.has_error() for m in holds)
+    assert dict(grid.contexts[886].state) == state  # the refused step left it too
+
+    # without keep_warm, no holds
+    plain = RecordingGrid(loopback(run_config(student_dir)).contexts)
+    FlowerTransport(plain, poll_interval=0.01).send_and_receive(
+        [Envelope(SETUP, 886, 0)], timeout=None
+    )
+    assert [m.metadata.message_type for m in plain.pushed] == [SETUP]
+
+
+def test_a_client_app_refuses_a_malformed_hold_and_roles_cannot_claim_the_hold_type(
+    student_dir,
+) -> None:
+    context = node_context(886, 1, run_config(student_dir))
+    for content in (RecordDict(), RecordDict({"fedfm.hold": ConfigRecord({"seconds": 31.0})})):
+        message = wire(
+            Message(content, dst_node_id=886, message_type=HOLD_MESSAGE_TYPE, group_id="0")
+        )
+        reply = client_app(message, context)
+        assert reply.has_error() and "hold" in reply.error.reason
+    assert dict(context.state) == {}
+    with pytest.raises(ProtocolError, match="0 to 30 s"):
+        hold_message(886, -1.0)
+    with pytest.raises(ConfigError, match="keep-warm"):
+        make_client_app(client_role, object, message_types=[HOLD_MESSAGE_TYPE], state_name="x")
 
 
 def test_flower_transport_turns_silence_and_errors_into_failures(student_dir) -> None:

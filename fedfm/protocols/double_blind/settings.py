@@ -54,6 +54,7 @@ DEFAULTS: dict[str, RunValue] = {
     "secagg-timeout": 30.0,
     "connect-timeout": 60.0,
     "pipelined": False,
+    "keep-warm": False,
     "min-clients": 1,
     "checkpoint-dir": "",
     # where each app's plaintext torch runs (fedfm.models.device: auto, cpu, cuda, cuda:N); a
@@ -95,6 +96,12 @@ class AppSettings:
         Send each client its next training or evaluation request as soon as its reply is
         answered, not once every client's reply is in (the server's scheduling; what each client
         receives is the same).
+    keep_warm:
+        Follow each request with a hold message for its node (answered after about the
+        server's usual answer time for that node), so that a Flower SuperNode is busy with the
+        hold, not in its fixed 3-s idle sleep, when the node's next request goes out. For the
+        Deployment Engine with warm executors (``fedfm executor``); each hold costs a ClientApp
+        call, so not with a ``flwr-clientapp`` process per message.
     checkpoint_dir:
         Where the driver saves the global adapter and history after every round (``None``: no
         checkpoints, no resuming).
@@ -114,6 +121,7 @@ class AppSettings:
     checkpoint_dir: Path | None
     device: str = "auto"
     pipelined: bool = False
+    keep_warm: bool = False
 
 
 def _typed(values: Mapping[str, object], key: str) -> RunValue:
@@ -196,6 +204,7 @@ def app_settings(run_config: Mapping[str, object]) -> AppSettings:
         checkpoint_dir=Path(str(v["checkpoint-dir"])) if v["checkpoint-dir"] else None,
         device=str(v["device"]),
         pipelined=bool(v["pipelined"]),
+        keep_warm=bool(v["keep-warm"]),
     )
 
 
