@@ -19,14 +19,20 @@ from fedfm.flower.codec import (
 )
 from fedfm.runtime.transport import Envelope, Failure
 
-# keep-warm: a node's hold lasts HOLD_MARGIN times the upper quartile of the server's last
-# HOLD_WINDOW answer times for that node, plus HOLD_SLACK seconds (the reply's way to the server);
-# HOLD_FIRST before any is known. Too short a hold costs the SuperNode's 3-s sleep, too long one
-# only its excess: the margin errs long.
+# keep-warm: the SuperNode must ask for its next message no earlier than HOLD_MARGIN times the
+# median of the server's last HOLD_WINDOW answer times for that node, plus HOLD_SLACK seconds
+# (the reply's way to the server). It notices the hold's reply at the earliest SUPERNODE_REPLY_POLL
+# after taking the hold (Flower 1.41 checks every 0.5 s), so the hold itself waits that much
+# less, and at most HOLD_LONGEST; HOLD_FIRST before any answer time is known. Too short a hold
+# costs up to the SuperNode's 3-s idle sleep, too long one its excess, in full: the margin errs
+# long, the median ignores the odd long answer (a phase's end) and no hold outlasts the sleep it
+# is there to avoid.
 HOLD_MARGIN = 1.25
 HOLD_SLACK = 0.25
-HOLD_FIRST = 0.5
-HOLD_WINDOW = 8
+HOLD_FIRST = 0.0
+HOLD_WINDOW = 5
+HOLD_LONGEST = 3.0
+SUPERNODE_REPLY_POLL = 0.5
 
 
 class FlowerTransport:
@@ -56,8 +62,8 @@ class FlowerTransport:
         recent = self._answer_times.get(node)
         if not recent:
             return HOLD_FIRST
-        upper = statistics.quantiles(recent, n=4)[2] if len(recent) > 1 else recent[0]
-        return min(MAX_HOLD_SECONDS, HOLD_MARGIN * upper + HOLD_SLACK)
+        due = HOLD_MARGIN * statistics.median(recent) + HOLD_SLACK
+        return min(HOLD_LONGEST, max(0.0, due - SUPERNODE_REPLY_POLL))
 
     def _push(self, messages: list[Message], timeout: float | None) -> list[str]:
         """Push ``messages``; with ``keep_warm``, then one hold for each of their nodes."""
@@ -80,8 +86,11 @@ class FlowerTransport:
         self.holds_sent += len(holds)
         return pushed
 
-    def _pull(self, message_ids: Iterable[str]) -> list[Message]:
-        """The replies to ``message_ids`` in by now; replies to holds are pulled and dropped."""
+    def _pull(self, message_ids: Iterable[str], *, lockstep: bool = False) -> list[Message]:
+        """The replies to ``message_ids`` in by now; replies to holds are pulled and dropped.
+        The server's answer time to a reply counts from its arrival, or with ``lockstep`` from
+        the exchange's end (:meth:`send_and_receive` marks it): a hold must cover the server's
+        work, not the wait for the other nodes, which their own holds would lengthen."""
         now = time.monotonic()
         for message_id, forget_at in list(self._holds.items()):
             if now >= forget_at:  # expired unanswered (a node that left): stop asking
@@ -91,7 +100,7 @@ class FlowerTransport:
             replied_to = message.metadata.reply_to_message_id
             if self._holds.pop(replied_to, None) is None:
                 replies.append(message)
-                if self.keep_warm:
+                if self.keep_warm and not lockstep:
                     self._answered_at[message.metadata.src_node_id] = now
         return replies
 
@@ -136,12 +145,15 @@ class FlowerTransport:
         replies = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while waiting:
-            for message in self._pull(sorted(waiting)):
+            for message in self._pull(sorted(waiting), lockstep=True):
                 waiting.discard(message.metadata.reply_to_message_id)
                 replies[node_of[message.metadata.reply_to_message_id]] = message
             if not waiting or (deadline is not None and time.monotonic() >= deadline):
                 break
             time.sleep(self.poll_interval)
+        if self.keep_warm:
+            ended = time.monotonic()
+            self._answered_at.update((node, ended) for node in replies)
 
         return [
             _envelope_or_failure(replies[node], node)
