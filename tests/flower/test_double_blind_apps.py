@@ -720,6 +720,8 @@ def test_a_pipelined_server_app_does_not_wait_for_a_slow_client_and_equals_the_i
         assert ours.train_loss == theirs.train_loss
         assert ours.round_trips == theirs.round_trips
         assert (ours.clients_trained, ours.clients_evaluated) == (3, 3)
+        # round trips overlap: the time inside the transport is wall time, within the round's
+        assert 0.0 < ours.transport_seconds < ours.seconds
     # between two requests of the slow client, a fast one got two of its own
     assert most_between_slow_requests(grid.pushed, slow) >= 2, grid.pushed
 

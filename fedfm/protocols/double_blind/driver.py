@@ -122,12 +122,20 @@ class RoundRecord:
 
 class _TimedTransport:
     """A transport that records how long each round trip took (for the round record); with a
-    pipelined inner transport, each request's time from post to reply."""
+    pipelined inner transport, each request's time from post to reply. ``waiting`` is the wall
+    time spent inside the transport (round trips overlap when pipelined, so it is not the sum of
+    the durations)."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.durations: list[float] = []
+        self.waiting = 0.0
         self._posted: dict[int, float] = {}
+
+    def clear(self) -> None:
+        """Forget the round trips recorded so far (a new round starts)."""
+        self.durations.clear()
+        self.waiting = 0.0
 
     def send_and_receive(
         self, envelopes: Iterable[Envelope], *, timeout: float | None = None
@@ -137,6 +145,7 @@ class _TimedTransport:
             return self.inner.send_and_receive(envelopes, timeout=timeout)
         finally:
             self.durations.append(time.perf_counter() - started)
+            self.waiting += self.durations[-1]
 
     @property
     def pipelined(self) -> PipelinedTransport | None:
@@ -148,15 +157,20 @@ class _TimedTransport:
         inner = self.pipelined
         if inner is None:
             raise ProtocolError(f"{type(self.inner).__name__} cannot pipeline requests")
-        self._posted[envelope.node_id] = time.perf_counter()
-        inner.post(envelope, timeout=timeout)
+        self._posted[envelope.node_id] = started = time.perf_counter()
+        try:
+            inner.post(envelope, timeout=timeout)
+        finally:
+            self.waiting += time.perf_counter() - started
 
     def replies(self) -> list[Envelope | Failure]:
         inner = self.pipelined
         if inner is None:
             raise ProtocolError(f"{type(self.inner).__name__} cannot pipeline requests")
+        started = time.perf_counter()
         answered = inner.replies()
         now = time.perf_counter()
+        self.waiting += now - started
         for reply in answered:
             if (posted := self._posted.pop(reply.node_id, None)) is not None:
                 self.durations.append(now - posted)
@@ -498,7 +512,7 @@ def run_double_blind(
     timed = _TimedTransport(transport)
     for server_round in range(state.round + 1, config.rounds + 1):
         started = time.perf_counter()
-        timed.durations.clear()
+        timed.clear()
         failures = []
         phase: dict[str, Any] = {
             "transport": timed,
@@ -574,7 +588,7 @@ def run_double_blind(
             failures=failures,
             seconds=time.perf_counter() - started,
             round_trips=train_trips + secagg_trips + eval_trips,
-            transport_seconds=float(sum(timed.durations)),
+            transport_seconds=timed.waiting,
             median_round_trip_seconds=float(np.median(timed.durations))
             if timed.durations
             else float("nan"),
