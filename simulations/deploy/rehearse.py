@@ -64,7 +64,8 @@ def rehearse(
     warm: bool = False,
 ) -> int:
     """Run the whole rehearsal in ``workspace``; 0 if the run completed. ``warm``: every site
-    with a site process and a warm ClientApp executor (``docs/deployment.md``, steps 5b, 5c)."""
+    with a site process and a warm ClientApp executor, the server pipelined and keeping the
+    SuperNodes warm (``docs/deployment.md``, steps 5b, 5c)."""
     started = time.monotonic()
     _say(f"credentials in {workspace / 'credentials'}")
     credentials = make_credentials(workspace / "credentials", nodes=nodes)
@@ -89,6 +90,8 @@ def rehearse(
         # each message starts a ClientApp process (10-30 s under load); Flower drops a
         # message after its timeout, so the 30-s default of the SecAgg stages is too short
         config["secagg-timeout"] = float(overrides.get("timeout", DEFAULTS["timeout"]))
+        if warm:  # step 5c's recommended scheduling for warm executors
+            config.update({"pipelined": True, "keep-warm": True})
         config.update(overrides)
         run_id = federation.submit(config, APP)
         _say(f"run {run_id} submitted; its log follows")
