@@ -42,6 +42,10 @@ class FlowerTransport:
     does the same with the grid's own interval, which is 3 s for the deployment runtime's grid:
     too slow for a protocol of ``2L + 1`` round trips per round.) A reply carrying an error, a
     malformed reply and a missing reply all become a :class:`~fedfm.runtime.transport.Failure`.
+    With ``keep_warm`` each request is followed by a hold for the same node
+    (:func:`~fedfm.flower.codec.hold_message`, sized by :meth:`hold_seconds`), whose empty reply
+    is pulled and dropped: it keeps a Flower SuperNode from its 3-s idle sleep while the server
+    answers the node's reply.
     """
 
     def __init__(self, grid: Grid, *, poll_interval: float = 0.1, keep_warm: bool = False) -> None:
