@@ -765,9 +765,7 @@ class RecordingGrid(LoopbackGrid):
         return ids
 
 
-def test_flower_transport_keeps_each_node_warm_with_a_hold_after_its_request(
-    student_dir, monkeypatch
-) -> None:
+def test_flower_transport_keeps_each_node_warm_with_a_hold_after_its_request(student_dir) -> None:
     """``keep_warm``: every request is followed by a hold for the same node, whose length
     follows the server's answer time for that node; the ClientApp answers a hold without
     touching its state, and the hold replies are pulled and dropped, never returned."""
