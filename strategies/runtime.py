@@ -44,7 +44,13 @@ def run_on_grid(
         deadline_seconds=settings.connect_timeout,
         log=log,
     )
-    result = run_protocol(protocol, FlowerTransport(grid), nodes, timeout=settings.timeout, log=log)
+    result = run_protocol(
+        protocol,
+        FlowerTransport(grid, keep_warm=settings.keep_warm),
+        nodes,
+        timeout=settings.timeout,
+        log=log,
+    )
     if settings.results_file is not None:
         result.save(settings.results_file)
         log(f"[fedfm] {protocol.name}: wrote {settings.results_file}")

@@ -18,8 +18,10 @@ node config         meaning
 ``inputs-dir``      a folder of ``<role>.npz`` private inputs
 =================== ===================================================================
 
-The ServerApp reads ``num-nodes``, ``timeout``, ``connect-timeout`` and ``results-file`` from
-the run config. Every other run config key belongs to the protocol.
+The ServerApp reads ``num-nodes``, ``timeout``, ``connect-timeout``, ``results-file`` and
+``keep-warm`` (a hold message after each request, for sites with warm executors:
+:class:`fedfm.flower.transport.FlowerTransport`) from the run config. Every other run config
+key belongs to the protocol.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ RUN_CONFIG_DEFAULTS: dict[str, ConfigValue] = {
     "timeout": 60.0,  # seconds per round trip; 0: no limit
     "connect-timeout": 60.0,  # seconds to wait for the nodes
     "results-file": "",  # the ServerApp writes the run's result there as JSON
+    "keep-warm": False,  # a hold after each request keeps a SuperNode from its idle sleep
 }
 
 
@@ -166,12 +169,14 @@ def node_settings(node_config: Mapping[str, ConfigValue]) -> NodeSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What the ServerApp needs: how many nodes to wait for, time limits, where to write."""
+    """What the ServerApp needs: how many nodes to wait for, time limits, where to write,
+    whether to keep the nodes' SuperNodes warm with holds."""
 
     num_nodes: int
     timeout: float | None
     connect_timeout: float
     results_file: Path | None
+    keep_warm: bool = False
 
 
 def server_settings(run_config: Mapping[str, ConfigValue], protocol: Protocol) -> ServerSettings:
@@ -183,4 +188,5 @@ def server_settings(run_config: Mapping[str, ConfigValue], protocol: Protocol) -
         timeout=timeout if timeout > 0 else None,
         connect_timeout=float(runtime["connect-timeout"]),
         results_file=Path(str(runtime["results-file"])) if runtime["results-file"] else None,
+        keep_warm=bool(runtime["keep-warm"]),
     )

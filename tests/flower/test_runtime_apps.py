@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from flwr.common.serde import (
 )
 
 from fedfm.errors import ProtocolError
-from fedfm.flower.codec import to_array_record
+from fedfm.flower.codec import HOLD_MESSAGE_TYPE, to_array_record
 from fedfm.protocols.masked_sum import masked_sum
 from fedfm.runtime import (
     NodeState,
@@ -79,6 +80,45 @@ def test_flower_apps_over_flower_messages_equal_the_in_process_run(demo_workspac
         private_key = load_state(context.state).private_key
         assert len(private_key) == 32 and private_key not in carried
         assert private_key in context_to_proto(context).SerializeToString()
+
+
+def test_keep_warm_follows_every_request_with_a_hold_and_changes_no_result(demo_workspace) -> None:
+    """Run config ``keep-warm``: the relay follows each request with a hold for the same node
+    (answered by the ClientApp, dropped by the transport) and the run's outputs stay those of
+    the in-process run; without it, no hold goes out."""
+    workspace, run_config, node_config = demo_workspace
+    results = {}
+    for keep_warm in (True, False):
+        config = {**run_config, "keep-warm": keep_warm}
+        grid = LoopbackGrid(flower_contexts(config, node_config))
+        pushed: list[tuple[str, int]] = []
+        push = grid.push_messages
+
+        def recording_push(messages, push=push, pushed=pushed):
+            messages = list(messages)
+            pushed.extend((m.metadata.message_type, m.metadata.dst_node_id) for m in messages)
+            return push(messages)
+
+        grid.push_messages = recording_push  # type: ignore[method-assign]
+        with task_identity():
+            results[keep_warm] = run_on_grid(grid, masked_sum, config, log=lambda _: None)
+        requests = [item for item in pushed if item[0] != HOLD_MESSAGE_TYPE]
+        holds = [item for item in pushed if item[0] == HOLD_MESSAGE_TYPE]
+        if keep_warm:
+            # one hold per request, for the same node, after that request
+            assert requests and Counter(n for _, n in holds) == Counter(n for _, n in requests)
+            for index, (kind, node) in enumerate(pushed):
+                if kind == HOLD_MESSAGE_TYPE:
+                    earlier = pushed[:index]
+                    assert sum(n == node and k != kind for k, n in earlier) > sum(
+                        n == node and k == kind for k, n in earlier
+                    )
+            assert not grid.replies  # the hold replies were pulled (and dropped)
+        else:
+            assert holds == []
+    expected = run_in_process(masked_sum(), demo_inputs(workspace))
+    for result in results.values():
+        assert result.to_dict()["outputs"] == expected.to_dict()["outputs"]
 
 
 def test_flower_client_app_refuses_a_tampered_frame_and_keeps_its_state(demo_workspace) -> None:
