@@ -537,7 +537,13 @@ def test_warm_executors_answer_a_round_as_clientapp_processes_would_and_a_killed
 
         restarted = federation.start_executor(federation.supernodes[NODES - 1])
         checkpoint = tmp_path / "restarted"
-        config = run_config(student_dir, checkpoint)
+        # training alone shows the node served again (no evaluation round trips)
+        config = run_config(
+            student_dir,
+            checkpoint,
+            pipelined=True,
+            **{"keep-warm": True, "eval-fraction": 0.05},
+        )
         run_id = federation.submit(config)
         status = federation.wait_for_run(run_id, seconds=600)
         log = federation.run_log(run_id)

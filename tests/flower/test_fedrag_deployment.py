@@ -4,8 +4,12 @@ by its own ``--node-config`` (its role, identity key, pins of the other roles an
 inputs), the app of ``simulations/fedrag``. The coordinator's sealed report equals the in-process
 run of the same inputs and plaintext RAG. Select with ``-m deployment``.
 
-The micro decoder and two generated tokens keep it short: every message runs in a fresh
-ClientApp process that imports torch and loads the decoder.
+The micro decoder and two generated tokens keep it short. Each SuperNode runs with
+``--isolation process`` beside a warm ClientApp executor (``fedfm executor``) and the run keeps
+the SuperNodes warm with holds (run config ``keep-warm``): with Flower's default isolation every
+message started a ClientApp process that imported torch and loaded the decoder (246 s for this
+test; the runtime protocols' default isolation is covered by ``test_deployment.py``'s
+masked-sum run).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedfm.flower.codec import HOLD_MESSAGE_TYPE
 from fedfm.models.decoder import DecoderSource, train_decoder
 from fedfm.protocols.fedrag.decoder import runner_for
 from fedfm.protocols.fedrag.plan import COORDINATOR, RolePlan
@@ -97,7 +102,10 @@ def test_fedrag_runs_on_four_authenticated_supernodes_and_equals_the_in_process_
                     "pins": format_pins({r: fp for r, fp in fingerprints.items() if r != role}),
                     "inputs-dir": str(sites[role] / "inputs"),
                 },
+                extra_args=("--isolation", "process"),
             )
+        for node in federation.supernodes.values():  # a warm ClientApp executor per site
+            federation.start_executor(node)
         federation.wait_for_nodes(len(ROLES))
         run_id = federation.submit(
             {
@@ -105,12 +113,16 @@ def test_fedrag_runs_on_four_authenticated_supernodes_and_equals_the_in_process_
                 "timeout": 300.0,
                 "decoder": str(micro.path),
                 "max-new-tokens": TOKENS,
+                "keep-warm": True,
             },
             app=APP,
         )
         status = federation.wait_for_run(run_id, seconds=900)
         log = federation.run_log(run_id)
         assert status == "finished:completed", log[-3000:]
+        for executor in federation.executors.values():  # every message ran warm, holds too
+            assert f"run {run_id}: {HOLD_MESSAGE_TYPE} answered" in executor.log()
+            assert "failed" not in executor.log(), executor.log()[-2000:]
     finally:
         federation.close()
     elapsed = time.monotonic() - started
