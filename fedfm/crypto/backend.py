@@ -47,7 +47,7 @@ def finished(value: R) -> Work[R]:
     yield  # pragma: no cover - makes this function a generator
 
 
-def lockstep(works: Sequence[Work[Any]]) -> Work[list[Any]]:
+def lockstep(works: Sequence[Work[R]]) -> Work[list[R]]:
     """One work that runs ``works`` together: their pending refreshes travel in one request.
 
     Each yield concatenates the items of every waiting work (in order); the fresh items sent

@@ -51,10 +51,11 @@ class SideAdapterHead(nn.Module):
         self.num_blocks, self.dim, self.rank, self.alpha = num_blocks, dim, rank, alpha
         self.pooling = pooling
         self.down = nn.ModuleList(nn.Linear(dim, rank) for _ in range(num_blocks if rank else 0))
-        self.up = nn.ModuleList(nn.Linear(rank, dim) for _ in range(num_blocks if rank else 0))
-        for up in self.up:  # zero-initialised: training starts from linear probing
+        ups = [nn.Linear(rank, dim) for _ in range(num_blocks if rank else 0)]
+        for up in ups:  # zero-initialised: training starts from linear probing
             nn.init.zeros_(up.weight)
             nn.init.zeros_(up.bias)
+        self.up = nn.ModuleList(ups)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 

@@ -35,14 +35,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from fedfm.crypto import get_backend
 from fedfm.crypto.backend import CryptoBackend, KeyOwner, ModelGeometry
-from fedfm.errors import ConfigError, DataError, FedfmError, ProtocolAbort, ProtocolError
+from fedfm.errors import (
+    ConfigError,
+    DataError,
+    FedfmError,
+    InvariantError,
+    ProtocolAbort,
+    ProtocolError,
+)
 from fedfm.models.device import to_numpy
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
 from fedfm.protocols.double_blind.config import (
@@ -72,7 +79,7 @@ from fedfm.protocols.double_blind.text import (
     check_label_order_masks,
     embed_tokens,
 )
-from fedfm.runtime.transport import Envelope
+from fedfm.runtime.transport import ConfigValue, Envelope
 from fedfm.secagg import (
     ADVERTISE_KEYS,
     UNMASK,
@@ -773,7 +780,7 @@ class DoubleBlindClient:
         count = len(state.group("block1"))
         if require_count(envelope) != count:
             raise ProtocolError(
-                f"train.loss carries {envelope.config.get('num_batches')} "
+                f"train.loss carries {envelope.config.get('num_batches')!r} "
                 f"batches, the round has {count}"
             )
         losses = unpack_batches(envelope, "loss", count, key.load)
@@ -812,9 +819,12 @@ class DoubleBlindClient:
             own_gradients.append((probs - one_hot_labels) / rows)
             all_labels.append(labels)
         self._check_label_counts(np.concatenate(all_labels), self.data.train_labels, exact=False)
-        objective = sum(
-            (out * torch.from_numpy(grad.astype(np.float32)).to(self.device)).sum()
-            for out, grad in zip(logits, own_gradients, strict=True)
+        objective = cast(
+            torch.Tensor,
+            sum(
+                (out * torch.from_numpy(grad.astype(np.float32)).to(self.device)).sum()
+                for out, grad in zip(logits, own_gradients, strict=True)
+            ),
         )
         (objective / count).backward()
         config = DoubleBlindConfig.from_config(state.config)
@@ -822,6 +832,8 @@ class DoubleBlindClient:
         new_momentum = {}
         with torch.no_grad():
             for name, parameter in model.named_parameters():
+                if parameter.grad is None:
+                    raise InvariantError(f"internal: no gradient for {name}")
                 velocity = (
                     config.momentum
                     * torch.from_numpy(
@@ -829,12 +841,12 @@ class DoubleBlindClient:
                     ).to(self.device)
                     + parameter.grad
                 )
-                parameter -= config.lr * config.lr_factor(state.round) * velocity
+                parameter.sub_(config.lr * config.lr_factor(state.round) * velocity)
                 new_momentum[name] = to_numpy(velocity).copy()
         params = model.get_arrays()
         train_loss = float(np.mean(own_losses))
         num_examples = count * int(state.group("block1")["0"].shape[0])
-        metrics = {"num_examples": num_examples, "train_loss": train_loss}
+        metrics: dict[str, ConfigValue] = {"num_examples": num_examples, "train_loss": train_loss}
         arrays = _between_rounds(state.arrays)
         arrays.update(pack_arrays("momentum", new_momentum))  # replaces the old momentum
         closed = replace(state, block=0, num_blocks=0, arrays=arrays)

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedfm.crypto.randomness import restore_stream
-from fedfm.errors import CheckpointError, FedfmError, ProtocolError
+from fedfm.errors import CheckpointError, FedfmError, InvariantError, ProtocolError
 from fedfm.protocols.double_blind.config import MIN_SECURE_AGGREGATE, TRAIN_SECAGG
 from fedfm.protocols.double_blind.server import (
     ClientUpdate,
@@ -80,11 +80,13 @@ class WeightedAverage:
     def aggregate(
         self, server_round: int, global_arrays: dict[str, np.ndarray], updates: list[ClientUpdate]
     ) -> dict[str, np.ndarray]:
+        if not updates:
+            raise InvariantError("internal: a weighted average of no update")
         total = sum(update.num_examples for update in updates)
         return {
-            name: sum(u.arrays[name] * (u.num_examples / total) for u in updates).astype(
-                global_arrays[name].dtype
-            )
+            name: np.asarray(
+                sum(u.arrays[name] * (u.num_examples / total) for u in updates)
+            ).astype(global_arrays[name].dtype)
             for name in global_arrays
         }
 
@@ -402,7 +404,7 @@ def save_state(path: Path, state: RunState, identity: dict[str, Any]) -> None:
     """Write the global arrays (npz) and the history (JSON) atomically."""
     path.mkdir(parents=True, exist_ok=True)
     arrays_tmp = path / "global.partial.npz"
-    np.savez(arrays_tmp, **state.global_arrays)
+    np.savez(arrays_tmp, **state.global_arrays)  # type: ignore[arg-type]  # numpy's stub
     meta_tmp = path / "state.partial.json"
     # the state holds the server's secret stream (key and position): owner-only, like a key file
     meta_tmp.unlink(missing_ok=True)

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from fedfm.crypto.backend import EncryptedBatch, ModelGeometry
 from fedfm.errors import ProtocolError
 from fedfm.runtime.transport import ConfigValue, Envelope
+
+ValueT = TypeVar("ValueT", int, float, str, bytes, bool)
 
 Loader = Callable[[dict[str, np.ndarray]], EncryptedBatch]
 
@@ -84,7 +87,7 @@ def geometry_from(config: dict[str, ConfigValue]) -> ModelGeometry | None:
     return ModelGeometry(tokens, patch)
 
 
-def require_config(envelope: Envelope, key: str, kind: type) -> ConfigValue:
+def require_config(envelope: Envelope, key: str, kind: type[ValueT]) -> ValueT:
     """A config value of the given type, or a :class:`ProtocolError` naming what is wrong."""
     value = envelope.config.get(key)
     if value is None or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):

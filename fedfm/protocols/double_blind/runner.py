@@ -39,7 +39,7 @@ from fedfm.protocols.double_blind.server import DoubleBlindServer
 from fedfm.protocols.double_blind.text import TextClientData
 from fedfm.protocols.secure_aggregation import signed_federation
 from fedfm.runtime.local import LocalNode
-from fedfm.runtime.transport import Envelope, InProcessTransport
+from fedfm.runtime.transport import ClientHandler, Envelope, InProcessTransport
 from fedfm.secagg import KeyAuthentication
 
 if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientApp process
@@ -264,7 +264,7 @@ def run_clients_in_process(
             )
         else:
             chosen = list(secagg_authentication)
-        handlers = {
+        handlers: dict[int, ClientHandler] = {
             node_id: LocalNode(
                 DoubleBlindClient(
                     data,

@@ -41,6 +41,7 @@ from fedfm.crypto.backend import (
     EncryptedBatch,
     Evaluator,
     ModelGeometry,
+    R,
     Work,
     lockstep,
 )
@@ -242,9 +243,24 @@ class DoubleBlindServer:
     @property
     def hidden_size(self) -> int:
         """Width ``D`` of the hidden states the side adapter reads."""
-        if self.text:
-            return int(self.model.hidden_size)
-        return int(self.model.vit.embed_dim)
+        model = self.model
+        if is_text_model(model):
+            return int(model.hidden_size)
+        return int(model.vit.embed_dim)
+
+    def _vit(self) -> FheViT:
+        """The model, on a step only a ViT takes."""
+        model = self.model
+        if is_text_model(model):
+            raise InvariantError("internal: an image step on a text model")
+        return model
+
+    def _text_model(self) -> FheTextClassifier:
+        """The model, on a step only a text encoder takes."""
+        model = self.model
+        if not is_text_model(model):
+            raise InvariantError("internal: a text step on a ViT")
+        return model
 
     @property
     def num_blocks(self) -> int:
@@ -267,7 +283,7 @@ class DoubleBlindServer:
             return Envelope(SETUP, node_id, 0, {}, settings)
         # the data owner embeds its tokens itself (spec 001 embeds on the server: a token lookup
         # under CKKS is out of reach), so the model owner reveals its embedding layer
-        tables, eps = embedding_arrays(self.model)
+        tables, eps = embedding_arrays(self._text_model())
         settings |= {"input": TEXT_INPUT, "embedding_eps": eps}
         return Envelope(SETUP, node_id, 0, tables, settings)
 
@@ -311,7 +327,7 @@ class DoubleBlindServer:
         self, uploads: dict[str, EncryptedBatch], num_train: int, num_eval: int
     ) -> dict[str, np.ndarray]:
         """Refuse image uploads the model cannot read; images have no key masks."""
-        embed = self.model.vit.patch_embed
+        embed = self._vit().vit.patch_embed
         size = embed.img_size if embed.img_size is not None else (None, None)
         image_shape = (embed.proj.in_channels, *size)
         for name, count in (("train", num_train), ("eval", num_eval)):
@@ -482,7 +498,9 @@ class DoubleBlindServer:
         flight.stage = stage
         return request
 
-    def _refreshing(self, node_id: int, session: ClientSession, work: Work[Any]) -> Stage:
+    def _refreshing(
+        self, node_id: int, session: ClientSession, work: Work[R]
+    ) -> Generator[Envelope, Envelope, R]:
         """Carry ``work``'s refreshes to the client as ``query.refresh`` round trips."""
         flight = session.in_flight
         if flight is None:
@@ -520,7 +538,7 @@ class DoubleBlindServer:
         # Select from the patches, then embed: the selection's Benes network permutes
         # C * p * p ciphertexts per set instead of the embedding's D (48 instead of 96 for the
         # default tiny ViT), and under CKKS each of its layers is a refresh of all of them.
-        works = [evaluator.embed(self.model, batch) for batch in selected]
+        works = [evaluator.embed(self._vit(), batch) for batch in selected]
         flight.current = yield from self._refreshing(node_id, session, lockstep(works))
         return (yield from self._block_stage(node_id, session, global_arrays))
 
@@ -539,10 +557,10 @@ class DoubleBlindServer:
         masks = self._key_masks_in_order(flight, block - 1)
         for index in range(first, self.revealed[block - 1]):
             if masks is None:
-                works = [evaluator.evaluate_block(self.model, index, b) for b in evaluated]
+                works = [evaluator.evaluate_block(self._vit(), index, b) for b in evaluated]
             else:
                 works = [
-                    evaluator.evaluate_text_block(self.model, index, b, m)
+                    evaluator.evaluate_text_block(self._text_model(), index, b, m)
                     for b, m in zip(evaluated, masks, strict=True)
                 ]
             evaluated = yield from self._refreshing(node_id, session, lockstep(works))
@@ -707,11 +725,11 @@ class DoubleBlindServer:
             for batch, perms in zip(flight.indices, flight.permutations, strict=True)
         ]
         labels = yield from self._refreshing(node_id, session, lockstep(works))
-        works = [
+        loss_works = [
             evaluator.cross_entropy(p, log_p, y)
             for p, log_p, y in zip(probs, log_probs, labels, strict=True)
         ]
-        results = yield from self._refreshing(node_id, session, lockstep(works))
+        results = yield from self._refreshing(node_id, session, lockstep(loss_works))
         losses = [loss for loss, _ in results]
         gradients = [gradient for _, gradient in results]
         flight.block += 1  # the loss step

@@ -25,7 +25,7 @@ path's. Nothing here imports transformers: a data owner's process embeds with nu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ import torch
 from fedfm.errors import DataError, ProtocolError
 
 if TYPE_CHECKING:  # annotations only: transformers stays out of a data owner's process
+    from typing_extensions import TypeIs
+
     from fedfm.models.fhe_text import FheTextClassifier
 
 TEXT_INPUT = "text"
@@ -44,7 +46,7 @@ EMBEDDING = "embedding"
 EMBEDDING_NAMES = ("word", "position", "segment", "norm_weight", "norm_bias")
 
 
-def is_text_model(model: object) -> TypeGuard[FheTextClassifier]:
+def is_text_model(model: object) -> TypeIs[FheTextClassifier]:
     """Whether ``model`` is a text encoder (an :class:`~fedfm.models.fhe_text.
     FheTextClassifier`) rather than a ViT."""
     return callable(getattr(model, "embedding_tables", None))
