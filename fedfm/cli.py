@@ -677,6 +677,8 @@ def _paper_text(args: argparse.Namespace) -> None:
     spec = load_table(args.table, args.config, seeds=args.seeds, rounds=args.rounds)
     if args.methods is not None:
         spec = replace(spec, methods=tuple(m for m in spec.methods if m in args.methods))
+    elif args.hide_text_lengths:  # full fine-tuning has no server to hide lengths from
+        spec = replace(spec, methods=tuple(m for m in spec.methods if m != "full-finetune"))
     if args.settings is not None:
         unknown = sorted(set(args.settings) - {s.label for s in spec.settings})
         if unknown:
@@ -695,6 +697,7 @@ def _paper_text(args: argparse.Namespace) -> None:
         progress=not args.no_progress,
         run_missing=not args.kept_only,
         protocol=args.protocol,
+        hide_text_lengths=args.hide_text_lengths,
     )
 
 
@@ -1163,6 +1166,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ours and linear probing through the double-blind protocol itself (simulate "
         "backend, secure aggregation; slower): results/text_adaptation_protocol.*",
+    )
+    paper_text.add_argument(
+        "--hide-text-lengths",
+        action="store_true",
+        help="ours and linear probing with every data owner hiding its texts' lengths (node "
+        "config hide-text-lengths: all-real key masks; what that costs): "
+        "results/text_adaptation[_protocol]_hidden_lengths.*",
     )
     paper_text.set_defaults(handler=_paper_text)
 

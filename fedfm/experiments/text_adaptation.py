@@ -23,12 +23,18 @@ Methods, each on the same clients, the same seeded batch draws and the same sche
     Plaintext FedAvg of the whole student and a fresh head, one SGD step with momentum per batch
     (lr 0.0025, the paper's ratio to the adapters' rate, as :mod:`.baselines`).
 
-**What runs.** The double-blind protocol does not carry text yet (the server's CKKS blocks
-evaluate the ViT only), so ``ours`` and ``linear_probe`` here train on the frozen student's
-block outputs computed in plaintext: the same numbers the protocol's ``simulate`` backend hands
-the client (its permutations only reorder rows, and its update is the plaintext SGD step, as
-``test_protocol_update_equals_plaintext_sgd_step`` checks for the ViT). No encryption, no
-messages; the results say so.
+**What runs.** By default ``ours`` and ``linear_probe`` train on the frozen student's block
+outputs computed in plaintext: the same numbers the protocol's ``simulate`` backend hands the
+client (its permutations only reorder rows, and its update is the plaintext SGD step, as
+``test_text_update_equals_plaintext_sgd_step`` checks). No encryption, no messages; the results
+say so. ``protocol=True`` runs them through the double-blind protocol itself
+(:func:`protocol_adapter`).
+
+**Hidden text lengths.** ``hide_text_lengths=True`` measures what a data owner's node config
+``hide-text-lengths`` costs: every data owner uploads all-real key masks, so the blocks attend to
+padding as to text and the head pools over every position (:func:`block_features` computes the
+block outputs so; through the protocol, every data owner's policy says so). Full fine-tuning is
+the data owners' own plaintext training, with no server to hide lengths from: it is refused there.
 """
 
 from __future__ import annotations
@@ -101,21 +107,35 @@ class TextFeatures:
         return list(chosen.unbind(1)), self.key_mask[selector], self.labels[selector]
 
 
+def uploaded_key_mask(
+    student: FheTextClassifier, input_ids: torch.Tensor, *, hide_text_lengths: bool = False
+) -> torch.Tensor:
+    """The key mask a data owner uploads for ``input_ids``: the texts' own (``True`` at real
+    tokens), or all real when it hides its texts' lengths (node config ``hide-text-lengths``)."""
+    key_mask = student.key_mask(input_ids)
+    return torch.ones_like(key_mask) if hide_text_lengths else key_mask
+
+
 @torch.no_grad()
-def block_features(student: FheTextClassifier, texts: TokenizedTexts) -> TextFeatures:
+def block_features(
+    student: FheTextClassifier, texts: TokenizedTexts, *, hide_text_lengths: bool = False
+) -> TextFeatures:
     """Every block's output of the frozen ``student`` on ``texts`` (what the server's blocks
-    compute for a data owner; padding positions hold values no pooled output reads)."""
+    compute for a data owner; padding positions hold values no pooled output reads), with the
+    key mask the data owner uploads (:func:`uploaded_key_mask`: with ``hide_text_lengths`` the
+    blocks attend to padding and the head pools over every position)."""
     student.eval()
     outputs = []
     for chunk in texts.input_ids.split(ENCODE_CHUNK):
-        key_mask = student.key_mask(chunk)
+        key_mask = uploaded_key_mask(student, chunk, hide_text_lengths=hide_text_lengths)
         hidden = student.embed(chunk)
         per_block = []
         for index in range(student.num_blocks):
             hidden = student.block(index, hidden, key_mask)
             per_block.append(hidden)
         outputs.append(torch.stack(per_block, dim=1))
-    return TextFeatures(torch.cat(outputs), student.key_mask(texts.input_ids), texts.labels.clone())
+    key_mask = uploaded_key_mask(student, texts.input_ids, hide_text_lengths=hide_text_lengths)
+    return TextFeatures(torch.cat(outputs), key_mask, texts.labels.clone())
 
 
 @dataclass
@@ -247,6 +267,7 @@ def protocol_adapter(
     *,
     seed: int,
     log: Callable[[str], None],
+    hide_text_lengths: bool = False,
 ) -> dict[str, Any]:
     """``ours`` or linear probing through the double-blind protocol itself: every client a
     :class:`~fedfm.protocols.double_blind.runner.run_clients_in_process` data owner (messages,
@@ -257,6 +278,7 @@ def protocol_adapter(
     texts as its held-out set, so the protocol's own evaluation (the clients' confusion matrices
     summed) is the global model on the whole test split, as :func:`train_adapter` measures it.
     Ours reveals every block's output (its adapters tap all six), linear probing only the last.
+    ``hide_text_lengths``: every data owner's policy uploads all-real key masks.
     """
     from fedfm.crypto.randomness import ResearchStream
     from fedfm.protocols.double_blind.policy import DataOwnerPolicy
@@ -296,7 +318,7 @@ def protocol_adapter(
         num_classes=len(splits.classes),
         identity={"config": config.to_config(), "seed": seed},
         # the experimenter plays every data owner: plaintext (simulate) by its own choice
-        policy=DataOwnerPolicy(allow_plaintext=True),
+        policy=DataOwnerPolicy(allow_plaintext=True, hide_text_lengths=hide_text_lengths),
         randomness=ResearchStream(seed),
         log=log,
         device="cpu",
@@ -318,6 +340,7 @@ def protocol_adapter(
         "backend": config.backend,
         "secure_aggregation": config.secure_aggregation,
         "reveal": config.reveal,
+        "hide_text_lengths": hide_text_lengths,
         "failures": [failure for record in records for failure in record.failures],
     }
 
@@ -436,11 +459,18 @@ def run_text_cell(
     *,
     log: Callable[[str], None],
     protocol: bool = False,
+    hide_text_lengths: bool = False,
 ) -> dict[str, Any]:
     """One method on one federation with one seed; the record kept in the cell's file.
 
     ``protocol``: ours and linear probing run the double-blind protocol
-    (:func:`protocol_adapter`) instead of its client rule on cached block outputs."""
+    (:func:`protocol_adapter`) instead of its client rule on cached block outputs (which
+    ``features`` holds, computed with the masks ``hide_text_lengths`` says)."""
+    if hide_text_lengths and method == "full-finetune":
+        raise ConfigError(
+            "hide-text-lengths is a data owner's choice towards the model owner's server; "
+            "full fine-tuning has no server evaluating blocks: run it without hidden lengths"
+        )
     started = time.perf_counter()
     parts = partition(
         splits.pool,
@@ -453,7 +483,15 @@ def run_text_cell(
     if method == "full-finetune":
         result = finetune_text(student, splits.pool, splits.test, parts, config, seed=seed, log=log)
     elif protocol:
-        result = protocol_adapter(student, splits, parts, config, seed=seed, log=log)
+        result = protocol_adapter(
+            student,
+            splits,
+            parts,
+            config,
+            seed=seed,
+            log=log,
+            hide_text_lengths=hide_text_lengths,
+        )
     else:
         if features is None:
             raise ConfigError(f"{method} needs the student's block outputs")
@@ -468,6 +506,7 @@ def run_text_cell(
         "rounds": spec.rounds,
         "lr_decay": spec.lr_decay,
         "partition_sizes": [len(part) for part in parts],
+        "hide_text_lengths": hide_text_lengths,
         **result,
         "seconds": time.perf_counter() - started,
     }
@@ -521,6 +560,49 @@ def summarize_text(
             )
         by_setting[setting.label] = summary
     return rows, by_setting
+
+
+def lengths_shown_comparison(
+    spec: TableSpec,
+    hidden: dict[str, dict[str, Any]],
+    shown_folder: Path,
+    *,
+    student_dir: Path,
+    model: str,
+) -> dict[str, dict[str, Any]]:
+    """What hiding text lengths cost: per setting and method of the hidden-lengths table
+    (``hidden``, :func:`summarize_text`'s summaries), the same method with the texts' own key
+    masks from the finished cells in ``shown_folder`` (same student, settings and seeds), and
+    the difference in points (shown - hidden). Entries without such cells are left out."""
+    cells = {}
+    for setting in spec.settings:
+        student_file = kept_student_path(distill_run(setting, model), student_dir).name
+        for method in spec.methods:
+            for seed in spec.seeds:
+                kept = kept_cell(cell_file(shown_folder, method, setting, seed), spec, setting)
+                if (
+                    kept is not None
+                    and kept.get("student") == student_file
+                    and not kept.get("hide_text_lengths", False)
+                ):
+                    cells[(method, setting.label, seed)] = kept
+    _, shown = summarize_text(spec, cells)
+    comparison: dict[str, dict[str, Any]] = {}
+    for label, summary in hidden.items():
+        for key in ("linear_probe", "ours"):
+            with_masks, without = shown.get(label, {}).get(key), summary.get(key)
+            if not with_masks or not without or with_masks["seeds"] != without["seeds"]:
+                continue
+            comparison.setdefault(label, {})[key] = {
+                "seeds": without["seeds"],
+                "lengths_shown_mean": with_masks["balanced_accuracy_mean"],
+                "lengths_shown_std": with_masks["balanced_accuracy_std"],
+                "lengths_hidden_mean": without["balanced_accuracy_mean"],
+                "lengths_hidden_std": without["balanced_accuracy_std"],
+                "cost_points": 100
+                * (with_masks["balanced_accuracy_mean"] - without["balanced_accuracy_mean"]),
+            }
+    return comparison
 
 
 def plot_text_curves(
@@ -577,6 +659,7 @@ def run_text_table(
     progress: bool = True,
     run_missing: bool = True,
     protocol: bool = False,
+    hide_text_lengths: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, dict[str, Any]]:
     """Every cell of ``spec`` (finished ones read back from ``workdir``), then
@@ -587,13 +670,25 @@ def run_text_table(
 
     ``protocol=True`` runs ours and linear probing through the double-blind protocol
     (:func:`protocol_adapter`; cells in ``<workdir>/<table>-protocol``, results
-    ``text_adaptation_protocol.*``); full fine-tuning is the same plaintext FedAvg either way."""
+    ``text_adaptation_protocol.*``); full fine-tuning is the same plaintext FedAvg either way.
+
+    ``hide_text_lengths=True`` runs ours and linear probing as data owners that hide their
+    texts' lengths (all-real key masks; cells in ``<folder>-hidden-lengths``, results
+    ``<name>_hidden_lengths.*``); full fine-tuning is refused there (it has no server)."""
     for method in spec.methods:
         if method not in TEXT_METHODS:
             raise ConfigError(f"unknown method {method!r}; choose from {list(TEXT_METHODS)}")
-    folder = workdir / (f"{spec.name}-protocol" if protocol else spec.name)
+    if hide_text_lengths and "full-finetune" in spec.methods:
+        raise ConfigError(
+            "hide-text-lengths applies to ours and linear probing (the data owners' key masks "
+            "towards the server); run it with methods linear-probe and ours"
+        )
+    suffix = "-hidden-lengths" if hide_text_lengths else ""
+    folder = workdir / ((f"{spec.name}-protocol" if protocol else spec.name) + suffix)
     folder.mkdir(parents=True, exist_ok=True)
-    name = "text_adaptation_protocol" if protocol else "text_adaptation"
+    name = ("text_adaptation_protocol" if protocol else "text_adaptation") + suffix.replace(
+        "-", "_"
+    )
     students: dict[str, tuple[FheTextClassifier, dict[str, Any], TextSplits]] = {}
     features: dict[str, tuple[TextFeatures, TextFeatures]] = {}
     plan = [(m, s, seed) for s in spec.settings for m in spec.methods for seed in spec.seeds]
@@ -606,7 +701,11 @@ def run_text_table(
         # a cell counts only for the student it adapted (another model or split runs again)
         student_file = kept_student_path(distill_run(setting, model), student_dir).name
         kept = kept_cell(path, spec, setting)
-        if kept is not None and kept.get("student") == student_file:
+        if (
+            kept is not None
+            and kept.get("student") == student_file
+            and kept.get("hide_text_lengths", False) == hide_text_lengths
+        ):
             cells[(method, setting.label, seed)] = kept
             log(f"{where}: done before, read from {path}")
             continue
@@ -622,8 +721,8 @@ def run_text_table(
         if method != "full-finetune" and not protocol and source not in features:
             started = time.perf_counter()
             features[source] = (
-                block_features(student, splits.pool),
-                block_features(student, splits.test),
+                block_features(student, splits.pool, hide_text_lengths=hide_text_lengths),
+                block_features(student, splits.test, hide_text_lengths=hide_text_lengths),
             )
             log(
                 f"[fedfm] the student's block outputs on {len(splits.pool)} pool and "
@@ -640,6 +739,7 @@ def run_text_table(
             features.get(source),
             log=quiet,
             protocol=protocol,
+            hide_text_lengths=hide_text_lengths,
         )
         record["student"] = student_file
         write_atomically(path, record)
@@ -653,6 +753,32 @@ def run_text_table(
     if missing:
         log(f"[fedfm] {len(missing)} of {len(plan)} cells not run yet: the table shows the rest")
     rows, by_setting = summarize_text(spec, cells)
+    columns = [
+        ("method", "method"),
+        ("setting", "setting"),
+        ("balanced_accuracy", "bal. acc. (%)"),
+        ("seeds", "seeds"),
+        ("trainable_parameters", "trainable params"),
+        ("clients_trained_per_round", "clients trained / round"),
+    ]
+    comparison: dict[str, dict[str, Any]] = {}
+    if hide_text_lengths:
+        shown_folder = folder.with_name(folder.name.removesuffix(suffix))
+        comparison = lengths_shown_comparison(
+            spec, by_setting, shown_folder, student_dir=student_dir, model=model
+        )
+        for row in rows:
+            entry = comparison.get(row["setting"], {}).get(TEXT_METHODS[row["method"]])
+            row["lengths_shown"] = (
+                f"{100 * entry['lengths_shown_mean']:.2f} ± {100 * entry['lengths_shown_std']:.2f}"
+                if entry
+                else "not run"
+            )
+            row["cost_points"] = f"{entry['cost_points']:+.2f}" if entry else "-"
+        columns[3:3] = [
+            ("lengths_shown", "with lengths shown (%)"),
+            ("cost_points", "cost (points)"),
+        ]
     reports = {
         source: _student_summary(report) for source, (_, report, _) in students.items()
     } or _reports_of_kept(spec, student_dir, model)
@@ -668,10 +794,20 @@ def run_text_table(
             "runs the protocol itself)"
         )
     )
+    if hide_text_lengths:
+        runner += (
+            "; every data owner hides its texts' lengths (node config hide-text-lengths: "
+            "all-real key masks, so the blocks attend to padding and the head pools over all "
+            f"{'/'.join(sorted({str(distill_run(s, model).max_tokens) for s in spec.settings}))}"
+            " positions). 'with lengths shown': the same methods, seeds and student with the "
+            f"texts' own masks, from the finished cells in {shown_folder} (cost = shown - hidden)"
+        )
     write_results(
         results_dir,
         name,
-        title=spec.title + (" (through the protocol)" if protocol else ""),
+        title=spec.title
+        + (" (through the protocol)" if protocol else "")
+        + (" with hidden text lengths" if hide_text_lengths else ""),
         description=(
             f"Balanced accuracy (%) on the held-out test texts after {spec.rounds} rounds, mean ± "
             f"std over seeds {list(spec.seeds)} (partition, batch draws and initialisation). "
@@ -694,20 +830,15 @@ def run_text_table(
             )
         ),
         rows=rows,
-        columns=[
-            ("method", "method"),
-            ("setting", "setting"),
-            ("balanced_accuracy", "bal. acc. (%)"),
-            ("seeds", "seeds"),
-            ("trainable_parameters", "trainable params"),
-            ("clients_trained_per_round", "clients trained / round"),
-        ],
+        columns=columns,
         extra={
             "backend": (
                 "simulate (the double-blind protocol's messages, plaintext values)"
                 if protocol
                 else "plaintext (torch; the protocol's training rule, no encryption)"
             ),
+            "hide_text_lengths": hide_text_lengths,
+            **({"lengths_shown_comparison": comparison} if hide_text_lengths else {}),
             "missing_cells": missing,
             "settings": by_setting,
             "students": reports,

@@ -5,6 +5,7 @@ tokens; a kept student is read back, a foreign one refused."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -98,6 +99,27 @@ def test_block_features_are_what_the_student_computes() -> None:
     with torch.no_grad():
         pooled = student.pool(features.blocks[:, -1], features.key_mask)
         torch.testing.assert_close(student.classifier(pooled), student(texts.input_ids))
+
+
+def test_hidden_lengths_make_the_blocks_attend_to_padding_and_pool_every_position() -> None:
+    """With ``hide_text_lengths`` the block outputs are the student's with an all-real key mask
+    (what the server computes for such a data owner), pooled over every position."""
+    student = tiny_student()
+    texts = tiny_texts(10, 3)
+    shown, hidden = (
+        block_features(student, texts),
+        block_features(student, texts, hide_text_lengths=True),
+    )
+    assert hidden.key_mask.all() and not shown.key_mask.all()
+    with torch.no_grad():
+        everything = torch.ones_like(shown.key_mask)
+        expected = student.embed(texts.input_ids)
+        for index in range(student.num_blocks):
+            expected = student.block(index, expected, everything)
+            torch.testing.assert_close(hidden.blocks[:, index], expected)
+    real = shown.key_mask
+    # attending to padding changes the real tokens' outputs too: the hiding has a cost
+    assert (hidden.blocks[:, -1][real] - shown.blocks[:, -1][real]).abs().max() > 1e-3
 
 
 def test_round_draws_sit_out_small_clients_and_never_repeat_a_text() -> None:
@@ -232,6 +254,65 @@ def test_kept_only_summarises_the_finished_cells_and_lists_the_rest(tmp_path, mo
     assert len(report["missing_cells"]) == 4 and "Not run yet: 4 of 6" in report["description"]
 
 
+def test_the_hidden_lengths_table_is_kept_apart_and_refuses_full_finetuning(
+    tmp_path, monkeypatch
+) -> None:
+    student, splits = tiny_student(), tiny_splits()
+    _patched_table(monkeypatch, student, splits)
+    spec = replace(
+        load_table("text", seeds=[0], rounds=2),
+        settings=(Setting("K=2 alpha=1", 2, "dirichlet", 1.0, 16, "stdlib"),),
+    )
+    with pytest.raises(ConfigError, match="run it with methods linear-probe and ours"):
+        run_text_table(
+            spec, student_dir=tmp_path, workdir=tmp_path / "cells", results_dir=tmp_path / "r",
+            hide_text_lengths=True,
+        )  # fmt: skip
+    assert not (tmp_path / "cells").exists()  # refused before any cell
+    spec = replace(spec, methods=("linear-probe", "ours"))
+    lines: list[str] = []
+    run_text_table(
+        spec, student_dir=tmp_path, workdir=tmp_path / "cells", results_dir=tmp_path / "r",
+        log=lines.append,
+    )  # fmt: skip
+    run_text_table(
+        spec, student_dir=tmp_path, workdir=tmp_path / "cells", results_dir=tmp_path / "r",
+        hide_text_lengths=True, log=lines.append,
+    )  # fmt: skip
+    assert not any("done before" in line for line in lines)  # the default cells do not count
+    shown = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())
+    hidden = json.loads((tmp_path / "r" / "text_adaptation_hidden_lengths.json").read_text())
+    assert hidden["hide_text_lengths"] and not shown["hide_text_lengths"]
+    assert "hide their texts" not in shown["description"]
+    assert "hides its texts' lengths" in hidden["description"]
+    assert all(cell["hide_text_lengths"] for cell in hidden["cells"])
+    assert (tmp_path / "cells" / "text-hidden-lengths").is_dir()
+    for method in ("ours", "linear-probe"):
+        (one,) = [c for c in shown["cells"] if c["method"] == method]
+        (other,) = [c for c in hidden["cells"] if c["method"] == method]
+        # the same draws and initialisation on other block outputs: other losses
+        assert one["train_loss_per_round"] != other["train_loss_per_round"]
+        # the cost beside it, computed from both tables' cells
+        key = text_adaptation.TEXT_METHODS[method]
+        entry = hidden["lengths_shown_comparison"]["K=2 alpha=1"][key]
+        assert entry["lengths_shown_mean"] == one["test_balanced_accuracy"]
+        assert entry["lengths_hidden_mean"] == other["test_balanced_accuracy"]
+        assert entry["cost_points"] == pytest.approx(
+            100 * (one["test_balanced_accuracy"] - other["test_balanced_accuracy"])
+        )
+    table = (tmp_path / "r" / "text_adaptation_hidden_lengths.md").read_text()
+    assert "with lengths shown (%)" in table and "cost (points)" in table
+    # without the default table's cells the cost is named as not run, not invented
+    shutil.rmtree(tmp_path / "cells" / "text")
+    run_text_table(
+        spec, student_dir=tmp_path, workdir=tmp_path / "cells", results_dir=tmp_path / "r",
+        hide_text_lengths=True, log=lines.append,
+    )  # fmt: skip
+    alone = json.loads((tmp_path / "r" / "text_adaptation_hidden_lengths.json").read_text())
+    assert alone["lengths_shown_comparison"] == {}
+    assert "not run" in (tmp_path / "r" / "text_adaptation_hidden_lengths.md").read_text()
+
+
 def test_unknown_method_is_refused_before_any_cell(tmp_path) -> None:
     spec = replace(load_table("text"), methods=("ours", "prompt-tuning"))
     with pytest.raises(ConfigError, match="unknown method 'prompt-tuning'"):
@@ -260,6 +341,10 @@ def test_the_command_filters_methods_and_rounds(monkeypatch, tmp_path) -> None:
     assert options["protocol"]
     assert main(["paper-text", "--settings", "K=7"]) != 0  # named, nothing run
     assert len(seen) == 3
+    assert main(["paper-text", "--hide-text-lengths"]) == 0
+    spec, options = seen[3]
+    assert options["hide_text_lengths"] and spec.methods == ("linear-probe", "ours")
+    assert not seen[0][1]["hide_text_lengths"]
 
 
 def test_a_kept_student_is_read_back_and_a_foreign_one_refused(tmp_path, monkeypatch) -> None:
