@@ -11,11 +11,17 @@ A text's length is what the text path gives away (:mod:`fedfm.protocols.double_b
     training texts has names that text. The permutation is the server's secret; this is what it
     fails to hide. Control: the same client with ``hide-text-lengths``.
 
-Both run the protocol's roles message by message on a small random BERT (the outcome depends on
+``text_rows_linked_by_content``
+    The same curious client, when lengths are hidden: it embeds its own texts with the server's
+    tables (as it must, to upload them) and names each permuted row of a revealed block's output
+    by the text whose embedding it correlates with best. A block's residual stream keeps its
+    input's tokens, padding included, so no mask is needed. Measured on block 1 (``reveal =
+    "all"``) and on the last block (``reveal = "last"``), each with ``hide-text-lengths``.
+
+All run the protocol's roles message by message on a small random BERT (the outcome depends on
 messages, not on accuracy) with the lengths of one client's share of the real docstring task
 (:data:`~fedfm.experiments.text_adaptation.TEXT_SPLIT`, MiniLM's tokenizer, 64 tokens, K = 5
-iid). Whether the hidden states at padding positions show the lengths when the masks do not is
-not measured here.
+iid).
 """
 
 from __future__ import annotations
@@ -102,16 +108,40 @@ class LengthLeak:
     server_reads: float  # share of the client's texts whose token count the server reads
     rows_linked: float  # share of a round's rows the client names correctly by their length
     rows: int
+    # share of a round's rows the client names correctly by content: the first revealed
+    # block's output against its own texts' embeddings (:func:`link_rows_by_content`)
+    rows_linked_by_content: float = 0.0
+    content_block: int = 0  # the model's block whose output it read (1-based)
 
 
-def length_leak(model: FheTextClassifier, data: TextClientData, *, hide: bool) -> LengthLeak:
-    """Setup and one training round; the server's view of the lengths and the client's links."""
+def link_rows_by_content(
+    model: FheTextClassifier, train_tokens: np.ndarray, hidden: np.ndarray
+) -> np.ndarray:
+    """The client's guess of each row of a revealed block output ``hidden`` ``(rows, T, D)``:
+    the index of its training text whose embedding (computed with the server's tables, as it
+    does to upload) correlates best with the row, over all positions (padding included)."""
+    with torch.no_grad():
+        embedded = model.embed(torch.from_numpy(train_tokens)).numpy()
+    candidates = embedded.reshape(len(embedded), -1)
+    rows = hidden.reshape(len(hidden), -1)
+    candidates = candidates - candidates.mean(axis=1, keepdims=True)
+    rows = rows - rows.mean(axis=1, keepdims=True)
+    candidates /= np.linalg.norm(candidates, axis=1, keepdims=True)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    return np.asarray((rows @ candidates.T).argmax(axis=1))
+
+
+def length_leak(
+    model: FheTextClassifier, data: TextClientData, *, hide: bool, reveal: str = "all"
+) -> LengthLeak:
+    """Setup and one training round; the server's view of the lengths and the client's links
+    (by length from the last block's key masks, by content from the first block it sees)."""
     backend = SimulateBackend()
     config = DoubleBlindConfig(
         rounds=1,
         batch_size=BATCH,
         batches_per_round=BATCHES,
-        reveal="all",
+        reveal=reveal,
         secure_aggregation=False,
     )
     server = DoubleBlindServer(
@@ -139,14 +169,19 @@ def length_leak(model: FheTextClassifier, data: TextClientData, *, hide: bool) -
         raise AssertionError("the round did not start")
     indices, permutations = list(flight.indices), list(flight.permutations)
     masks: dict[str, np.ndarray] = {}
+    seen_block, outputs = 0, {}  # the first block output the client decrypts
     while isinstance(outcome, Envelope):
         reply, state = client.handle(outcome, state)
-        if outcome.message_type == TRAIN_BLOCK and outcome.config["block"] == server.num_blocks:
-            masks = state.group(KEY_MASKS)
+        if outcome.message_type == TRAIN_BLOCK:
+            block = int(outcome.config["block"])
+            if not seen_block and (decrypted := state.group(f"block{block}")):
+                seen_block, outputs = block, decrypted
+            if block == server.num_blocks:
+                masks = state.group(KEY_MASKS)
         outcome = server.on_reply(reply)
     # the client: a row whose length only one of its training texts has is that text
     counts = np.bincount(lengths, minlength=TOKENS + 1)
-    linked = rows = 0
+    linked = by_content = rows = 0
     for index, (batch, perms) in enumerate(zip(indices, permutations, strict=True)):
         truth = batch[perms.after_block(server.num_blocks + 1)]  # the harness's knowledge
         for row, length in enumerate(masks[str(index)].sum(axis=1)):
@@ -154,7 +189,11 @@ def length_leak(model: FheTextClassifier, data: TextClientData, *, hide: bool) -
             if counts[length] == 1:
                 guess = int(np.flatnonzero(lengths == length)[0])
                 linked += guess == truth[row]
-    return LengthLeak(reads, linked / rows, rows)
+        if seen_block:  # the rows of that block's output, in order pi_block
+            guesses = link_rows_by_content(model, data.train_tokens, outputs[str(index)])
+            by_content += int((guesses == batch[perms.after_block(seen_block)]).sum())
+    model_block = server.revealed[seen_block - 1] if seen_block else 0
+    return LengthLeak(reads, linked / rows, rows, by_content / rows, model_block)
 
 
 def red_team_suite() -> list[AttackResult]:
@@ -163,6 +202,7 @@ def red_team_suite() -> list[AttackResult]:
     data = texts_of_lengths(lengths, seed=1)
     model = small_text_model()
     shown, hidden = length_leak(model, data, hide=False), length_leak(model, data, hide=True)
+    last = length_leak(model, data, hide=True, reveal="last")
     distinct = int((np.bincount(data.train_key_mask.sum(axis=1)) == 1).sum())
     setting = (
         f"client 0 of the docstring pool (K=5 iid, {len(data.train_labels)} training texts, "
@@ -198,7 +238,27 @@ def red_team_suite() -> list[AttackResult]:
             detail=(
                 f"{setting}, {shown.rows} rows; the permutation hides a row only among texts of "
                 "its length; control: hide-text-lengths (every row reads 64 tokens). Whether the "
-                "hidden states at padding positions show the lengths anyway is not measured"
+                "hidden states show the rows anyway: text_rows_linked_by_content"
+            ),
+        ),
+        AttackResult(
+            name="text_rows_linked_by_content",
+            target="the server's permutation (which permuted row is which of the client's texts)",
+            adversary="curious client",
+            outcome=SUCCEEDS if hidden.rows_linked_by_content > 1 / BATCH else DEFENDED,
+            figure=f"share of a round's permuted rows of block {hidden.content_block}'s output "
+            "(reveal all) the client names correctly by correlating them with its own texts' "
+            "embeddings, with hide-text-lengths",
+            value=hidden.rows_linked_by_content,
+            control=last.rows_linked_by_content,
+            test=f"{TESTS}::test_the_client_links_rows_by_content_even_with_lengths_hidden",
+            detail=(
+                f"{setting}, {hidden.rows} rows; the client embeds its texts with the server's "
+                "tables to upload them, and a block's output keeps its input's tokens (padding "
+                "included), so hiding lengths does not hide the rows; control: the same with "
+                f"reveal = last (block {last.content_block}'s output, the only one the client "
+                "sees). Knowing the rows, the client has block inputs and outputs side by side "
+                "(the extraction attacks' starting point)"
             ),
         ),
     ]
