@@ -110,6 +110,17 @@ class Step:
     action: StepAction = field(compare=False)
 
 
+def config_choice(
+    protocol: str, config: Mapping[str, ConfigValue], key: str, choices: tuple[str, ...]
+) -> str:
+    """``config[key]`` as a string, which must be one of ``choices`` (``protocol`` names the
+    protocol in the error)."""
+    value = str(config[key])
+    if value not in choices:
+        raise ConfigError(f"{protocol} {key} must be one of {choices}, got {value!r}")
+    return value
+
+
 def _check_name(kind: str, name: str) -> None:
     if not name.isidentifier():
         raise ConfigError(f"{kind} name {name!r} is not an identifier")

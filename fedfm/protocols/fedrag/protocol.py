@@ -39,7 +39,7 @@ from fedfm.protocols.fedrag.plan import COORDINATOR, RolePlan
 from fedfm.protocols.fedrag.scrambler import KINDS, check_scaling_range
 from fedfm.protocols.reports import open_report as open_sealed_report
 from fedfm.protocols.reports import seal_report
-from fedfm.runtime.protocol import Protocol, RoleContext, Step
+from fedfm.runtime.protocol import Protocol, RoleContext, Step, config_choice
 from fedfm.runtime.transport import ConfigValue
 from fedfm.secagg.channel import KEY_BYTES
 
@@ -86,10 +86,7 @@ class FedragSettings:
 
 
 def _choice(config: Mapping[str, ConfigValue], key: str, choices: tuple[str, ...]) -> str:
-    value = str(config[key])
-    if value not in choices:
-        raise ConfigError(f"fedrag {key} must be one of {choices}, got {value!r}")
-    return value
+    return config_choice("fedrag", config, key, choices)
 
 
 def _positive(config: Mapping[str, ConfigValue], key: str) -> int:

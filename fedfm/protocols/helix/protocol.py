@@ -65,7 +65,7 @@ from fedfm.protocols.helix.ridge import (
     minimum_public_samples,
 )
 from fedfm.runtime.payload import pack_arrays, unpack_arrays
-from fedfm.runtime.protocol import Protocol, RoleContext, Step
+from fedfm.runtime.protocol import Protocol, RoleContext, Step, config_choice
 from fedfm.runtime.transport import ConfigValue
 from fedfm.secagg.channel import KEY_BYTES, open_sealed, seal
 
@@ -121,10 +121,7 @@ class HelixSettings:
 
 
 def _choice(config: Mapping[str, ConfigValue], key: str, choices: tuple[str, ...]) -> str:
-    value = str(config[key])
-    if value not in choices:
-        raise ConfigError(f"helix {key} must be one of {choices}, got {value!r}")
-    return value
+    return config_choice("helix", config, key, choices)
 
 
 def settings_from_config(

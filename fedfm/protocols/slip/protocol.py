@@ -49,7 +49,7 @@ from fedfm.protocols.slip.hybrid import (
 )
 from fedfm.protocols.slip.pads import PadStore
 from fedfm.runtime.payload import pack_arrays, unpack_arrays
-from fedfm.runtime.protocol import Protocol, RoleContext, Step, StepAction
+from fedfm.runtime.protocol import Protocol, RoleContext, Step, StepAction, config_choice
 from fedfm.runtime.transport import ConfigValue
 from fedfm.secagg.channel import KEY_BYTES, open_sealed, seal
 
@@ -84,10 +84,7 @@ class SlipSettings:
 
 
 def _choice(config: Mapping[str, ConfigValue], key: str, choices: tuple[str, ...]) -> str:
-    value = str(config[key])
-    if value not in choices:
-        raise ConfigError(f"slip {key} must be one of {choices}, got {value!r}")
-    return value
+    return config_choice("slip", config, key, choices)
 
 
 def settings_from_config(config: Mapping[str, ConfigValue] | None) -> SlipSettings:
