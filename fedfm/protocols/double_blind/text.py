@@ -10,13 +10,15 @@ What changes from the image path (spec ``001`` §3.2 embeds on the server; a tok
   the server evaluates attention with them (:meth:`~fedfm.crypto.backend.Evaluator.
   evaluate_text_block`), so it learns every text's token count. A data owner that would rather
   not tell sets ``hide-text-lengths`` in its node config: it uploads all-true masks, the model
-  then attends to padding as to text (its outputs change; the accuracy cost is the data owner's).
+  then attends to padding as to text (its outputs change; the accuracy cost is the data owner's,
+  measured by ``fedfm paper-text --hide-text-lengths``).
 * **blocks**: the server permutes each batch's key mask with its rows.
 * **the last block** carries each batch's key mask in label order ``pi_{L+1}``: the side adapter
   pools the mean over real tokens. A row's length lets the client link it to its text when no
   other of its texts has that length: the permutation hides a row only among texts of one
-  length (red team ``text_rows_linked_by_length``; whether the decrypted hidden states at
-  padding positions show the lengths as well is not measured; ``docs/text_encoder.md``).
+  length (red team ``text_rows_linked_by_length``). Hiding lengths does not hide the rows: a
+  revealed block's output still carries its input's tokens, which the client embedded itself
+  (red team ``text_rows_linked_by_content``; ``docs/text_encoder.md``).
 
 Everything else (batches, permutations, refreshes, the loss, secure aggregation) is the image
 path's. Nothing here imports transformers: a data owner's process embeds with numpy and torch.
