@@ -31,8 +31,16 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedfm.errors import FedfmError
+
+if TYPE_CHECKING:  # imported where used: `fedfm --help` loads no torch
+    from fedfm.distillation.pipeline import DistillRun
+    from fedfm.experiments.baselines import FineTuneConfig
+    from fedfm.models.decoder.artefact import DecoderSource
+    from fedfm.protocols.double_blind.config import DoubleBlindConfig
+    from fedfm.protocols.double_blind.runner import Federation
 
 
 def _optional_int(text: str) -> int | None:
@@ -128,7 +136,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, protocol: bool = Fals
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _run_from_args(args: argparse.Namespace, workdir: Path):  # -> DistillRun
+def _run_from_args(args: argparse.Namespace, workdir: Path) -> DistillRun:
     from fedfm.distillation.distill import DistillConfig
     from fedfm.distillation.pipeline import ApproxSettings, DistillRun
     from fedfm.distillation.training import PretrainConfig
@@ -347,7 +355,9 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, *, rounds: int | No
     )
 
 
-def _protocol_from_args(args: argparse.Namespace, method: str = "ours"):  # -> (config, fed, ft)
+def _protocol_from_args(
+    args: argparse.Namespace, method: str = "ours"
+) -> tuple[DoubleBlindConfig, Federation, FineTuneConfig]:
     from fedfm.data.partition import SCHEMES
     from fedfm.errors import ConfigError
     from fedfm.experiments.baselines import DEFAULT_FINETUNE_LR, FineTuneConfig, check_method
@@ -701,7 +711,7 @@ def _paper_text(args: argparse.Namespace) -> None:
     )
 
 
-def decoder_source(args: argparse.Namespace):  # -> DecoderSource
+def decoder_source(args: argparse.Namespace) -> DecoderSource:
     """The embedded decoder ``fedfm train-llm``'s options describe (with no options: the one
     ``load_decoder()`` loads)."""
     from fedfm.models.decoder.artefact import DecoderSource
@@ -1271,7 +1281,7 @@ def _fedrag_ablation(args: argparse.Namespace) -> None:
 # -- SLIP (issue 21) -------------------------------------------------------------------------------
 
 
-def _add_slip_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_slip_commands(commands: argparse._SubParsersAction) -> None:
     """``fedfm bench-slip``, ``fedfm slip-figures``, ``fedfm slip-finetune``."""
     from fedfm.protocols.slip.defaults import DEFAULTS
 

@@ -40,6 +40,9 @@ _POLICIES = ("clamp", "raise")
 class _Calibrated(nn.Module):
     """A module whose division is scaled by a bound recorded from data."""
 
+    input_bound: torch.Tensor  # buffers (registered in __init__)
+    clamped: torch.Tensor
+
     def __init__(self, bound_name: str) -> None:
         super().__init__()
         self.register_buffer("input_bound", torch.tensor(float("nan")))
@@ -162,6 +165,8 @@ class ChannelScaledGELU(ApproxGELU):
     The scale is a buffer fixed at calibration: later division re-calibrations
     (:func:`calibrate`) leave it alone, as it changes the function the weights adapt to.
     """
+
+    channel_scale: torch.Tensor  # a buffer (registered in __init__)
 
     def __init__(
         self,

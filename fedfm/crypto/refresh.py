@@ -972,9 +972,9 @@ class RefreshClient(_OnChain):
             return []
         chain = self._chain
         primes, top = chain.top_primes, chain.top_parms_id
-        lifted = self._lift(ciphertexts)
-        self._check_range(lifted)
-        lifted = lifted.residues(primes)  # (k_top, m, N)
+        mixed = self._lift(ciphertexts)
+        self._check_range(mixed)
+        lifted = mixed.residues(primes)  # (k_top, m, N)
         # Symmetric encryption, batched: (NTT(y + e) - a s, a) with a uniform (sampled in the
         # NTT domain, where it is just as uniform) and e centered binomial, as SEAL's
         # encrypt_symmetric but with the polynomial y entering in coefficient form.
@@ -1029,7 +1029,8 @@ def observe_masked(client: RefreshClient, masked: MaskedCiphertext | Ciphertext)
 
 # Jobs the worker pool runs (module-level, so that a worker can unpickle them by reference).
 # In a worker: the objects built from recently used contexts, most recent last.
-_LOADED: OrderedDict[tuple[str, bytes, int], Any] = OrderedDict()
+# key: (role, SHA-256 of the context, value bits, refresh primes, mask bits)
+_LOADED: OrderedDict[tuple[str, bytes, int, int, int], Any] = OrderedDict()
 
 
 def _loaded(

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fedfm.approx import ApproxConfig, calibrate
 from fedfm.crypto import get_backend
 from fedfm.crypto.randomness import RandomSource, ResearchStream, SecretStream
+from fedfm.crypto.simulate import SimulatedBatch
 from fedfm.data import DataSplits, load_splits
 from fedfm.distillation.pipeline import DistillRun, load_data, obtain_student
 from fedfm.errors import ConfigError, ProtocolAbort, ProtocolError
@@ -103,8 +104,8 @@ def build_arena() -> Arena:
         torch.manual_seed(0)
         vit = ModelSpec("vit_fedfm_micro", splits.aux.num_classes, 8).build()
         with torch.no_grad():  # keep LayerNorm's inputs inside its domain (tests/helpers.py)
-            vit.pos_embed.normal_(0.0, 0.5)
-            vit.cls_token.normal_(0.0, 1.0)
+            cast(torch.nn.Parameter, vit.pos_embed).normal_(0.0, 0.5)
+            cast(torch.nn.Parameter, vit.cls_token).normal_(0.0, 1.0)
         student = to_fhe_friendly(vit, ApproxConfig())
     calibrate(student, [splits.aux.images])
     pool = splits.pool
@@ -242,7 +243,7 @@ def _plaintext_share(arena: Arena, policy: DataOwnerPolicy) -> float:
         )
         .load,
     )[0]
-    values = np.asarray(uploaded.values)  # the simulate backend carries plaintext
+    values = np.asarray(cast(SimulatedBatch, uploaded).values)  # simulate carries plaintext
     images = arena.data[0].train_images
     return float(np.isclose(values, images).mean()) if values.shape == images.shape else 0.0
 
@@ -446,7 +447,12 @@ def _oracle_answers(arena: Arena, image: int, *, leaves: bool) -> int:
         for _ in range(ORACLE_QUESTIONS):
             middle = (low + high) / 2
             count = int(request.config["num_batches"])
-            losses = unpack_batches(request, "loss", count, server.sessions[0].evaluator.load)
+            losses = [
+                cast(SimulatedBatch, loss)  # the arena runs the simulate backend
+                for loss in unpack_batches(
+                    request, "loss", count, server.sessions[0].evaluator.load
+                )
+            ]
             step = 0.0 if secret < middle else 1.0
             forged = dict(request.arrays)
             forged.update(

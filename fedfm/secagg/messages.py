@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Self
+from typing import ClassVar, Protocol, Self
 
 import numpy as np
 
@@ -95,17 +95,24 @@ def stage_of(config: Mapping[str, ConfigValue]) -> str:
     return str(stage)
 
 
+class _MessageKind(Protocol):
+    """What every message class says of itself: its stage and direction."""
+
+    stage: ClassVar[str]
+    direction: ClassVar[str]
+
+
 def _header(
     arrays: Mapping[str, np.ndarray],
     config: Mapping[str, ConfigValue],
-    message: type,
+    message: type[_MessageKind],
     array_names: tuple[str, ...],
     config_names: tuple[str, ...] = (),
 ) -> int:
     """Check the stage and the key set of a message; returns its round."""
     what = f"{message.stage} {message.direction}"
     if stage_of(config) != message.stage:
-        raise ProtocolError(f"expected a {what}, got a {config[STAGE_KEY]} message")
+        raise ProtocolError(f"expected a {what}, got a {stage_of(config)} message")
     check_keys(
         arrays,
         config,
@@ -193,10 +200,10 @@ class AdvertiseKeysReply:
         what = f"{cls.stage} {cls.direction}"
         names = ("encryption_public_key", "masking_public_key")
         round_id = _header(arrays, config, cls, (*names, "identity_public_key", "signature"))
-        keys = [read_bytes(arrays, _key(name), (KEY_BYTES,), what) for name in names]
+        encryption, masking = (read_bytes(arrays, _key(name), (KEY_BYTES,), what) for name in names)
         identity = read_bytes(arrays, _key("identity_public_key"), (IDENTITY_BYTES,), what)
         signature = read_bytes(arrays, _key("signature"), (SIGNATURE_BYTES,), what)
-        return cls(round_id, *keys, identity, signature)
+        return cls(round_id, encryption, masking, identity, signature)
 
 
 @dataclass(frozen=True)

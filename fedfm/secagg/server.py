@@ -139,7 +139,8 @@ class SecAggServer:
         self.config.check_capacity(len(ids))
         self.config.round_parameters(len(ids))
         requests = {node: AdvertiseKeysRequest(self.round_id, node, self.settings) for node in ids}
-        return self._advance(ADVERTISE_KEYS, requests)
+        self._advance(ADVERTISE_KEYS, requests)
+        return requests
 
     def on_replies(self, replies: Mapping[int, Reply]) -> dict[int, Request]:
         """Take the current stage's replies; returns the next requests (none after ``unmask``).
@@ -178,9 +179,9 @@ class SecAggServer:
         return self._result
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _advance(self, stage: str, requests: dict[int, Request]) -> dict[int, Request]:
+    def _advance(self, stage: str, requests: Mapping[int, Request]) -> dict[int, Request]:
         self._stage, self._asked = stage, dict(requests)
-        return requests
+        return dict(requests)
 
     def _require_enough(self, nodes: Collection[int], stage: str) -> None:
         if len(nodes) < self.config.min_clients:
@@ -230,7 +231,7 @@ class SecAggServer:
                     reply.key_shares
                 ) != set(request.dropped):
                     return "shares are not for exactly the nodes asked about"
-                for owner, share in (reply.self_mask_shares | reply.key_shares).items():
+                for owner, share in {**reply.self_mask_shares, **reply.key_shares}.items():
                     expected = self._graph[owner].index(node) + 1
                     if len(share) != SHARE_BYTES or share_index(share) != expected:
                         return f"its share of node {owner}'s secret is malformed"
