@@ -1135,7 +1135,12 @@ def build_parser() -> argparse.ArgumentParser:
     paper_text.add_argument(
         "--config", type=Path, default=None, help="experiment TOML (fedfm/experiments/paper.toml)"
     )
-    paper_text.add_argument("--table", default="text", help="the config's text table (text)")
+    paper_text.add_argument(
+        "--table",
+        default="text",
+        help="the config's text table: text (Tables 2-3: K and alpha) or text_table1 (D_aux in "
+        "and out of distribution, results/text_adaptation_table1.*)",
+    )
     paper_text.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
     paper_text.add_argument("--rounds", type=int, default=None, help="override the rounds")
     paper_text.add_argument(

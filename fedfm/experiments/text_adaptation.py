@@ -648,6 +648,18 @@ def plot_text_curves(
     return path
 
 
+def results_name(spec: TableSpec, *, protocol: bool, hide_text_lengths: bool) -> str:
+    """The results files' name: ``text_adaptation`` for the config's ``text`` table,
+    ``text_adaptation_<table>`` for another (its name without a ``text_`` prefix), then
+    ``_protocol`` and ``_hidden_lengths`` as the run says."""
+    name = "text_adaptation"
+    if spec.name != "text":
+        name += "_" + spec.name.removeprefix("text_")
+    return (
+        name + ("_protocol" if protocol else "") + ("_hidden_lengths" if hide_text_lengths else "")
+    )
+
+
 def run_text_table(
     spec: TableSpec,
     *,
@@ -674,7 +686,8 @@ def run_text_table(
 
     ``hide_text_lengths=True`` runs ours and linear probing as data owners that hide their
     texts' lengths (all-real key masks; cells in ``<folder>-hidden-lengths``, results
-    ``<name>_hidden_lengths.*``); full fine-tuning is refused there (it has no server)."""
+    ``<name>_hidden_lengths.*``); full fine-tuning is refused there (it has no server).
+    Another table than ``text`` writes ``text_adaptation_<table>.*`` (:func:`results_name`)."""
     for method in spec.methods:
         if method not in TEXT_METHODS:
             raise ConfigError(f"unknown method {method!r}; choose from {list(TEXT_METHODS)}")
@@ -686,9 +699,7 @@ def run_text_table(
     suffix = "-hidden-lengths" if hide_text_lengths else ""
     folder = workdir / ((f"{spec.name}-protocol" if protocol else spec.name) + suffix)
     folder.mkdir(parents=True, exist_ok=True)
-    name = ("text_adaptation_protocol" if protocol else "text_adaptation") + suffix.replace(
-        "-", "_"
-    )
+    name = results_name(spec, protocol=protocol, hide_text_lengths=hide_text_lengths)
     students: dict[str, tuple[FheTextClassifier, dict[str, Any], TextSplits]] = {}
     features: dict[str, tuple[TextFeatures, TextFeatures]] = {}
     plan = [(m, s, seed) for s in spec.settings for m in spec.methods for seed in spec.seeds]

@@ -313,6 +313,23 @@ def test_the_hidden_lengths_table_is_kept_apart_and_refuses_full_finetuning(
     assert "not run" in (tmp_path / "r" / "text_adaptation_hidden_lengths.md").read_text()
 
 
+def test_table1_distills_in_and_out_of_distribution_and_writes_its_own_files() -> None:
+    """Spec 001 Table 1 on text: D_aux in distribution (labelled, ``aux``) and out of it
+    (other modules' docstrings, ``public``), centralized and K = 5; its own results files."""
+    spec = load_table("text_table1")
+    assert {s.distill_data for s in spec.settings} == {"aux", "public"}
+    assert sorted(s.clients for s in spec.settings) == [1, 1, 5, 5]
+    assert spec.methods == ("linear-probe", "ours")
+    name = text_adaptation.results_name
+    assert name(spec, protocol=False, hide_text_lengths=False) == "text_adaptation_table1"
+    text = load_table("text")
+    assert name(text, protocol=False, hide_text_lengths=False) == "text_adaptation"
+    assert (
+        name(text, protocol=True, hide_text_lengths=True)
+        == "text_adaptation_protocol_hidden_lengths"
+    )
+
+
 def test_unknown_method_is_refused_before_any_cell(tmp_path) -> None:
     spec = replace(load_table("text"), methods=("ours", "prompt-tuning"))
     with pytest.raises(ConfigError, match="unknown method 'prompt-tuning'"):
