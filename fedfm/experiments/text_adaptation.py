@@ -831,7 +831,12 @@ def run_text_table(
             + f"). Pool {TEXT_SPLIT['pool_per_class']} texts per family, batches of "
             f"{sorted({s.batch_size for s in spec.settings})}, {BATCHES_PER_ROUND} per client and "
             f"round, learning-rate decay x0.1 at 50% and 80%: {spec.lr_decay}. {runner}; "
-            "full fine-tuning: plaintext FedAvg of the whole student. Ours beats "
+            + (
+                "full fine-tuning: plaintext FedAvg of the whole student. "
+                if "full-finetune" in spec.methods
+                else "full fine-tuning: not run in this table. "
+            )
+            + "Ours beats "
             f"linear probing by more than the sum of the standard deviations in {len(beaten)} of "
             f"{len(by_setting)} settings."
             + (

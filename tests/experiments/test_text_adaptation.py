@@ -285,6 +285,7 @@ def test_the_hidden_lengths_table_is_kept_apart_and_refuses_full_finetuning(
     assert hidden["hide_text_lengths"] and not shown["hide_text_lengths"]
     assert "hide their texts" not in shown["description"]
     assert "hides its texts' lengths" in hidden["description"]
+    assert "full fine-tuning: not run in this table" in hidden["description"]
     assert all(cell["hide_text_lengths"] for cell in hidden["cells"])
     assert (tmp_path / "cells" / "text-hidden-lengths").is_dir()
     for method in ("ours", "linear-probe"):
