@@ -875,6 +875,7 @@ def _student_summary(report: dict[str, Any]) -> dict[str, Any]:
         "teacher_balanced_accuracy",
         "student_accuracy",
         "student_balanced_accuracy",
+        "exact_student_accuracy",
         "accuracy_gap_points",
         "split_sizes",
         "approximations",
