@@ -683,8 +683,16 @@ def _paper_text(args: argparse.Namespace) -> None:
     from fedfm.errors import ConfigError
     from fedfm.experiments.paper import load_table
     from fedfm.experiments.text_adaptation import run_text_table
+    from fedfm.experiments.text_lr import (
+        LR_GRID,
+        SELECTABLE_METHODS,
+        SELECTION_SEEDS,
+        select_text_lr,
+    )
 
-    spec = load_table(args.table, args.config, seeds=args.seeds, rounds=args.rounds)
+    # the selection's seeds are its own (the table's stay the table's)
+    table_seeds = None if args.select_lr else args.seeds
+    spec = load_table(args.table, args.config, seeds=table_seeds, rounds=args.rounds)
     if args.methods is not None:
         spec = replace(spec, methods=tuple(m for m in spec.methods if m in args.methods))
     elif args.hide_text_lengths:  # full fine-tuning has no server to hide lengths from
@@ -697,6 +705,27 @@ def _paper_text(args: argparse.Namespace) -> None:
                 f"{[s.label for s in spec.settings]}"
             )
         spec = replace(spec, settings=tuple(s for s in spec.settings if s.label in args.settings))
+    if args.select_lr:
+        if args.protocol or args.hide_text_lengths or args.kept_only:
+            raise ConfigError(
+                "--select-lr runs the client rule on cached block outputs with the texts' own "
+                "masks: drop --protocol, --hide-text-lengths and --kept-only"
+            )
+        select_text_lr(
+            spec,
+            student_dir=args.student_dir,
+            workdir=args.cells_dir,
+            results_dir=args.results_dir,
+            model=args.model,
+            grid=args.lr_grid or LR_GRID,
+            seeds=args.seeds or SELECTION_SEEDS,
+            methods=[m for m in args.methods or SELECTABLE_METHODS if m != "full-finetune"],
+            command=args.command_line,
+            progress=not args.no_progress,
+        )
+        return
+    if args.lr_grid is not None:
+        raise ConfigError("--lr-grid is the grid of --select-lr")
     run_text_table(
         spec,
         student_dir=args.student_dir,
@@ -1188,6 +1217,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="ours and linear probing with every data owner hiding its texts' lengths (node "
         "config hide-text-lengths: all-real key masks; what that costs): "
         "results/text_adaptation[_protocol]_hidden_lengths.*",
+    )
+    paper_text.add_argument(
+        "--select-lr",
+        action="store_true",
+        help="instead of the table: choose ours' and linear probing's learning rates on the "
+        "texts each client holds out of its pool partition (never the test texts; --seeds "
+        "default 100 101): results/text_lr_selection[_<table>].*, the config's lr entry",
+    )
+    paper_text.add_argument(
+        "--lr-grid",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="LR",
+        help="the rates --select-lr tries (default 0.01 0.02 0.05 0.1 0.2)",
     )
     paper_text.set_defaults(handler=_paper_text)
 

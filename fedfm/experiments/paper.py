@@ -33,7 +33,7 @@ import statistics
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from fedfm.data import DataSplits, ImageDataset
 from fedfm.errors import ConfigError
 from fedfm.experiments.baselines import (
+    DEFAULT_FINETUNE_LR,
     FineTuneConfig,
     check_method,
     finetune_model,
@@ -105,6 +106,18 @@ class TableSpec:
     rounds: int
     lr_decay: bool
     figure_setting: str = ""  # draw Figure 3 for this setting ("": no figure)
+    # learning rate per method where the table sets one (else :func:`default_lr`)
+    lr: Mapping[str, float] = field(default_factory=dict)
+
+    def lr_of(self, method: str) -> float:
+        """The learning rate ``method``'s cells train with."""
+        return self.lr.get(method, default_lr(method))
+
+
+def default_lr(method: str) -> float:
+    """A method's learning rate when its table sets none: the protocol's for ours and linear
+    probing, :data:`DEFAULT_FINETUNE_LR` for full fine-tuning."""
+    return DEFAULT_FINETUNE_LR if method == "full-finetune" else DoubleBlindConfig().lr
 
 
 def load_table(
@@ -138,11 +151,16 @@ def load_table(
             rounds=int(rounds if rounds is not None else values["rounds"]),
             lr_decay=bool(values["lr_decay"]),
             figure_setting=str(values.get("figure3", "")),
+            lr={str(method): float(rate) for method, rate in values.get("lr", {}).items()},
         )
-    except (KeyError, TypeError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ConfigError(f"table {name!r} in {source}: missing or bad key ({error})") from None
     for method in spec.methods:
         check_method(method)
+    for method, rate in spec.lr.items():
+        check_method(method)
+        if not rate > 0:
+            raise ConfigError(f"table {name!r}: the learning rate of {method} must be > 0: {rate}")
     if spec.figure_setting and spec.figure_setting not in {s.label for s in settings}:
         raise ConfigError(
             f"table {name!r}: figure3 names no setting of the table: {spec.figure_setting!r}"
@@ -222,6 +240,8 @@ def run_cell(
         rounds=spec.rounds,
         batch_size=setting.batch_size,
         min_batch_size=min(setting.batch_size, DEFAULT_MIN_BATCH_SIZE),
+        # full fine-tuning's rate is FineTuneConfig's (it reads no adapter rate)
+        lr=spec.lr_of("ours" if method == "full-finetune" else method),
         lr_decay=spec.lr_decay,
         secure_aggregation=setting.clients >= 2,
         reveal=PAPER_REVEAL,
@@ -234,7 +254,7 @@ def run_cell(
             splits,
             config,
             federation,
-            finetune=FineTuneConfig(),
+            finetune=FineTuneConfig(lr=spec.lr_of(method)),
             seed=seed,
             log=log,
             device=device,
@@ -273,6 +293,7 @@ def run_cell(
         "seed": seed,
         "rounds": spec.rounds,
         "lr_decay": spec.lr_decay,
+        "lr": spec.lr_of(method),
         "test_balanced_accuracy": test_accuracy,
         "trainable_parameters": parameters,
         "clients_trained": [record.clients_trained for record in history],
@@ -322,11 +343,14 @@ def kept_cell(path: Path, spec: TableSpec, setting: Setting) -> dict[str, Any] |
     if not path.exists():
         return None
     record = json.loads(path.read_text())
-    same = (record.get("setting"), record.get("rounds"), record.get("lr_decay")) == (
-        asdict(setting),
-        spec.rounds,
-        spec.lr_decay,
-    )
+    method = str(record.get("method"))
+    # cells written before tables set learning rates ran with the method's default
+    same = (
+        record.get("setting"),
+        record.get("rounds"),
+        record.get("lr_decay"),
+        record.get("lr", default_lr(method)),
+    ) == (asdict(setting), spec.rounds, spec.lr_decay, spec.lr_of(method))
     return record if same else None
 
 

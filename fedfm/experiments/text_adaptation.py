@@ -90,6 +90,8 @@ TEXT_METHODS: dict[str, str] = {
 }
 BATCHES_PER_ROUND = 4
 ENCODE_CHUNK = 64
+# How a table's learning rates are chosen (fedfm.experiments.text_lr), named in its results.
+LR_SELECTION_COMMAND = "fedfm paper-text --select-lr"
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,11 @@ class TextFeatures:
         selector = torch.from_numpy(index)
         chosen = self.blocks[selector]
         return list(chosen.unbind(1)), self.key_mask[selector], self.labels[selector]
+
+    def subset(self, index: np.ndarray) -> TextFeatures:
+        """The texts at ``index`` only."""
+        selector = torch.from_numpy(index)
+        return TextFeatures(self.blocks[selector], self.key_mask[selector], self.labels[selector])
 
 
 def uploaded_key_mask(
@@ -443,6 +450,8 @@ def table_config(spec: TableSpec, setting: Setting, method: str) -> DoubleBlindC
         rounds=spec.rounds,
         batch_size=setting.batch_size,
         batches_per_round=BATCHES_PER_ROUND,
+        # full fine-tuning's rate is passed to finetune_text (it reads no adapter rate)
+        lr=spec.lr_of("ours" if method == "full-finetune" else method),
         lr_decay=spec.lr_decay,
     )
     return replace(config, rank=0) if method == "linear-probe" else config
@@ -481,7 +490,16 @@ def run_text_cell(
     )
     config = table_config(spec, setting, method)
     if method == "full-finetune":
-        result = finetune_text(student, splits.pool, splits.test, parts, config, seed=seed, log=log)
+        result = finetune_text(
+            student,
+            splits.pool,
+            splits.test,
+            parts,
+            config,
+            seed=seed,
+            lr=spec.lr_of(method),
+            log=log,
+        )
     elif protocol:
         result = protocol_adapter(
             student,
@@ -505,6 +523,7 @@ def run_text_cell(
         "seed": seed,
         "rounds": spec.rounds,
         "lr_decay": spec.lr_decay,
+        "lr": spec.lr_of(method),
         "partition_sizes": [len(part) for part in parts],
         "hide_text_lengths": hide_text_lengths,
         **result,
@@ -538,6 +557,7 @@ def summarize_text(
                 "balanced_accuracy_std": std,
                 "balanced_accuracy_per_seed": [c["test_balanced_accuracy"] for c in done],
                 "trainable_parameters": done[0]["trainable_parameters"],
+                "lr": spec.lr_of(method),
                 "clients_trained_per_round": statistics.fmean(
                     n for c in done for n in c["clients_trained"]
                 ),
@@ -770,6 +790,7 @@ def run_text_table(
         ("balanced_accuracy", "bal. acc. (%)"),
         ("seeds", "seeds"),
         ("trainable_parameters", "trainable params"),
+        ("lr", "lr"),
         ("clients_trained_per_round", "clients trained / round"),
     ]
     comparison: dict[str, dict[str, Any]] = {}
@@ -830,7 +851,14 @@ def run_text_table(
             )
             + f"). Pool {TEXT_SPLIT['pool_per_class']} texts per family, batches of "
             f"{sorted({s.batch_size for s in spec.settings})}, {BATCHES_PER_ROUND} per client and "
-            f"round, learning-rate decay x0.1 at 50% and 80%: {spec.lr_decay}. {runner}; "
+            f"round, learning-rate decay x0.1 at 50% and 80%: {spec.lr_decay}; learning rates "
+            + ", ".join(f"{method} {spec.lr_of(method):g}" for method in spec.methods)
+            + (
+                f" (set by the table, chosen on held-out pool texts: {LR_SELECTION_COMMAND})"
+                if spec.lr
+                else " (the defaults)"
+            )
+            + f". {runner}; "
             + (
                 "full fine-tuning: plaintext FedAvg of the whole student. "
                 if "full-finetune" in spec.methods

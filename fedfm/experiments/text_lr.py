@@ -1,0 +1,268 @@
+"""``fedfm paper-text --select-lr``: the learning rates of ours and linear probing on the text
+task, chosen on the data owners' held-out pool texts, never on the test texts.
+
+The paper's comparison is only as fair as each method's learning rate: a rate tuned for one
+method, or chosen by looking at the test texts, decides the table before it runs. Here every
+client holds out :data:`VALIDATION_FRACTION` of its own partition (a federated evaluation set:
+what a deployment would set aside on each site), the method trains on the rest with the table's
+schedule for every rate of the grid, on seeds apart from the table's, and the rate with the
+highest mean balanced accuracy on the held-out pool texts wins (ties: the smaller rate).
+``results/text_lr_selection[_<table>].{json,md}`` lists every rate; the table's ``lr`` entry in
+``fedfm/experiments/paper.toml`` carries the choice (``tests/experiments/test_text_lr.py``
+checks the two agree), and the table's cells record the rate they ran with.
+
+Full fine-tuning keeps :data:`fedfm.experiments.baselines.DEFAULT_FINETUNE_LR`: one cell takes
+12-29 minutes here, a grid of them hours; the results say so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedfm.data.partition import partition
+from fedfm.distillation.text import kept_student_path, kept_text_student
+from fedfm.errors import ConfigError
+from fedfm.experiments.paper import TableSpec, cell_file, kept_cell, write_atomically
+from fedfm.experiments.results import write_results
+from fedfm.experiments.text_adaptation import (
+    TextFeatures,
+    block_features,
+    distill_run,
+    table_config,
+    text_splits,
+    train_adapter,
+)
+
+# Rates around the protocol's 0.05, a factor of about 2 apart.
+LR_GRID: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2)
+# Seeds apart from the tables' (0, 1, 2): other partitions and batch draws than the table's.
+SELECTION_SEEDS: tuple[int, ...] = (100, 101)
+VALIDATION_FRACTION = 0.2
+SELECTABLE_METHODS: tuple[str, ...] = ("linear-probe", "ours")
+
+
+def validation_split(
+    parts: Sequence[np.ndarray], fraction: float, seed: int
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each client's partition split into the texts it trains on and the ``fraction`` it holds
+    out (rounded; a client too small to hold one out keeps all); returns the training parts
+    and every client's held-out texts together (federated evaluation sums them)."""
+    if not 0 < fraction < 1:
+        raise ConfigError(f"validation fraction must be in (0, 1), got {fraction}")
+    rng = np.random.default_rng(seed)
+    training, held_out = [], []
+    for part in parts:
+        shuffled = rng.permutation(part)
+        count = round(fraction * len(part))
+        held_out.append(shuffled[:count])
+        training.append(np.sort(shuffled[count:]))
+    validation = np.sort(np.concatenate(held_out)) if held_out else np.array([], dtype=int)
+    if len(validation) == 0:
+        raise ConfigError("no client holds out a text: the federation's pool is too small")
+    return training, validation
+
+
+def selection_results_name(spec: TableSpec) -> str:
+    """``text_lr_selection`` for the config's ``text`` table, ``text_lr_selection_<table>``
+    for another (its name without a ``text_`` prefix)."""
+    return "text_lr_selection" + (
+        "" if spec.name == "text" else "_" + spec.name.removeprefix("text_")
+    )
+
+
+def choose_rates(
+    scores: dict[str, dict[float, list[float]]],
+) -> dict[str, float]:
+    """Per method, the rate with the highest mean score (ties: the smaller rate)."""
+    chosen = {}
+    for method, by_rate in scores.items():
+        ranked = sorted(by_rate, key=lambda rate: (-statistics.fmean(by_rate[rate]), rate))
+        chosen[method] = ranked[0]
+    return chosen
+
+
+def select_text_lr(
+    spec: TableSpec,
+    *,
+    student_dir: Path,
+    workdir: Path,
+    results_dir: Path,
+    model: str = "minilm",
+    grid: Sequence[float] = LR_GRID,
+    seeds: Sequence[int] = SELECTION_SEEDS,
+    methods: Sequence[str] = SELECTABLE_METHODS,
+    fraction: float = VALIDATION_FRACTION,
+    command: str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Every (method, rate, setting, seed) of the grid on held-out pool texts (finished ones
+    read back from ``<workdir>/<table>-lr-selection``), then
+    ``results/<selection_results_name>.{json,md}``; returns the chosen rate per method."""
+    unknown = sorted(set(methods) - set(SELECTABLE_METHODS))
+    if unknown:
+        raise ConfigError(
+            f"learning-rate selection runs {list(SELECTABLE_METHODS)} (full fine-tuning's cells "
+            f"take 12-29 minutes each), not {unknown}"
+        )
+    if not grid or any(not rate > 0 for rate in grid):
+        raise ConfigError(f"the learning-rate grid needs rates > 0, got {list(grid)}")
+    if not seeds:
+        raise ConfigError("learning-rate selection needs at least one seed")
+    folder = workdir / f"{spec.name}-lr-selection"
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = [
+        (method, rate, setting, seed)
+        for setting in spec.settings
+        for method in methods
+        for rate in grid
+        for seed in seeds
+    ]
+    quiet: Callable[[str], None] = log if progress else (lambda _line: None)
+    loaded: dict[str, tuple[Any, TextFeatures, int]] = {}
+    cells: list[dict[str, Any]] = []
+    for number, (method, rate, setting, seed) in enumerate(plan, start=1):
+        cell_spec = replace(spec, lr={method: rate})
+        path = cell_file(folder, f"{method}-lr{rate:g}", setting, seed)
+        where = (
+            f"[fedfm] lr cell {number}/{len(plan)}: {method}, lr {rate:g}, {setting.label}, "
+            f"seed {seed}"
+        )
+        student_file = kept_student_path(distill_run(setting, model), student_dir).name
+        kept = kept_cell(path, cell_spec, setting)
+        if (
+            kept is not None
+            and kept.get("student") == student_file
+            and kept.get("validation_fraction") == fraction
+        ):
+            cells.append(kept)
+            log(f"{where}: done before, read from {path}")
+            continue
+        source = setting.distill_data
+        if source not in loaded:
+            run = distill_run(setting, model)
+            student, _ = kept_text_student(run, student_dir, progress=progress, log=log)
+            splits = text_splits(run)
+            started = time.perf_counter()
+            loaded[source] = (splits, block_features(student, splits.pool), len(splits.classes))
+            log(
+                f"[fedfm] the student's block outputs on {len(splits.pool)} pool texts "
+                f"({time.perf_counter() - started:.0f} s; the test texts are not read)"
+            )
+        splits, pool, num_classes = loaded[source]
+        parts = partition(
+            splits.pool,
+            num_partitions=setting.clients,
+            scheme=setting.partition,
+            alpha=setting.alpha,
+            seed=seed,
+        )
+        training, validation = validation_split(parts, fraction, seed)
+        log(f"{where} ...")
+        started = time.perf_counter()
+        result = train_adapter(
+            pool,
+            pool.subset(validation),
+            training,
+            table_config(cell_spec, setting, method),
+            num_classes=num_classes,
+            seed=seed,
+            log=quiet,
+        )
+        record = {
+            "method": method,
+            "setting": asdict(setting),
+            "seed": seed,
+            "rounds": spec.rounds,
+            "lr_decay": spec.lr_decay,
+            "lr": rate,
+            "validation_fraction": fraction,
+            "training_texts": int(sum(len(part) for part in training)),
+            "validation_texts": len(validation),
+            "validation_balanced_accuracy": result["test_balanced_accuracy"],
+            "validation_balanced_accuracy_per_round": result["test_balanced_accuracy_per_round"],
+            "train_loss_per_round": result["train_loss_per_round"],
+            "student": student_file,
+            "seconds": time.perf_counter() - started,
+        }
+        write_atomically(path, record)
+        cells.append(record)
+        log(f"{where}: validation balanced accuracy {record['validation_balanced_accuracy']:.4f}")
+    scores: dict[str, dict[float, list[float]]] = {}
+    for cell in cells:
+        by_rate = scores.setdefault(cell["method"], {})
+        by_rate.setdefault(cell["lr"], []).append(cell["validation_balanced_accuracy"])
+    chosen = choose_rates(scores)
+    rows = []
+    for method in methods:
+        for rate in grid:
+            values = scores[method][rate]
+            mean = statistics.fmean(values)
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            losses = [
+                c["train_loss_per_round"] for c in cells if (c["method"], c["lr"]) == (method, rate)
+            ]
+            rows.append(
+                {
+                    "method": method,
+                    "lr": rate,
+                    "validation_balanced_accuracy": f"{100 * mean:.2f} ± {100 * std:.2f}",
+                    "validation_balanced_accuracy_mean": mean,
+                    "validation_balanced_accuracy_std": std,
+                    "cells": len(values),
+                    "final_train_loss_mean": statistics.fmean(loss[-1] for loss in losses),
+                    "chosen": "yes" if chosen[method] == rate else "",
+                }
+            )
+    name = selection_results_name(spec)
+    toml_line = "lr = { " + ", ".join(f'"{m}" = {chosen[m]:g}' for m in methods) + " }"
+    write_results(
+        results_dir,
+        name,
+        title=f"Learning rates for {spec.title.split(':')[0]}: chosen on held-out pool texts",
+        description=(
+            f"Balanced accuracy (%) on the texts each client holds out of its own partition "
+            f"({fraction:.0%}; never the test texts) after {spec.rounds} rounds of the table's "
+            f"schedule on the rest, mean ± std over settings {[s.label for s in spec.settings]} "
+            f"and seeds {list(seeds)} (apart from the table's {list(spec.seeds)}). The "
+            f"protocol's client rule on the frozen {model} student's block outputs in plaintext, "
+            f"as `fedfm paper-text` trains. Chosen: the highest mean (ties: the smaller rate); "
+            f"the table's config entry: `{toml_line}`. Full fine-tuning keeps its default rate "
+            f"(not selected: 12-29 minutes per cell)."
+        ),
+        rows=rows,
+        columns=[
+            ("method", "method"),
+            ("lr", "lr"),
+            ("validation_balanced_accuracy", "held-out pool bal. acc. (%)"),
+            ("cells", "cells"),
+            ("final_train_loss_mean", "final train loss"),
+            ("chosen", "chosen"),
+        ],
+        extra={
+            "backend": "plaintext (torch; the protocol's training rule, no encryption)",
+            "chosen": chosen,
+            "config_entry": toml_line,
+            "grid": list(grid),
+            "seeds": list(seeds),
+            "validation_fraction": fraction,
+            "table": spec.name,
+            "settings": [asdict(s) for s in spec.settings],
+            "rounds": spec.rounds,
+            "lr_decay": spec.lr_decay,
+            "cells": cells,
+        },
+        command=command,
+    )
+    log(
+        f"[fedfm] chosen: {toml_line} (results/{name}.md); the table {spec.name!r} sets "
+        + ", ".join(f"{m} {spec.lr_of(m):g}" for m in methods)
+    )
+    return chosen

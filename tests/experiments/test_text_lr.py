@@ -1,0 +1,212 @@
+"""``fedfm paper-text --select-lr`` (fedfm.experiments.text_lr): each client holds out part of its
+own partition, the grid trains on the rest, the test texts are never read, the best mean rate
+wins; a table's learning rates reach its cells, and a cell run with another rate runs again."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedfm.cli import main
+from fedfm.errors import ConfigError
+from fedfm.experiments import text_adaptation, text_lr
+from fedfm.experiments.paper import Setting, default_lr, load_table
+from fedfm.experiments.text_adaptation import run_text_table
+from fedfm.experiments.text_lr import choose_rates, select_text_lr, validation_split
+from tests.experiments.test_text_adaptation import tiny_splits, tiny_student
+
+SETTING = Setting("K=2 alpha=1", 2, "dirichlet", 1.0, 16, "stdlib")
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+
+
+def test_each_client_holds_out_its_own_share_and_trains_on_the_rest() -> None:
+    parts = [np.arange(0, 50), np.arange(50, 60), np.arange(60, 62)]
+    training, validation = validation_split(parts, 0.2, seed=3)
+    for part, kept in zip(parts, training, strict=True):
+        held = np.intersect1d(part, validation)
+        assert len(held) == round(0.2 * len(part))  # its own share, from its own texts
+        assert np.array_equal(np.sort(np.concatenate([kept, held])), part)  # nothing lost
+        assert len(np.intersect1d(kept, validation)) == 0  # no text both ways
+    again, _ = validation_split(parts, 0.2, seed=4)
+    assert not np.array_equal(training[0], again[0])  # the seed draws the split
+    with pytest.raises(ConfigError, match="validation fraction must be in"):
+        validation_split(parts, 1.0, seed=0)
+    with pytest.raises(ConfigError, match="no client holds out a text"):
+        validation_split([np.arange(2)], 0.2, seed=0)
+
+
+def test_the_best_mean_rate_wins_and_ties_go_to_the_smaller_rate() -> None:
+    scores = {"ours": {0.01: [0.5, 0.7], 0.02: [0.65, 0.66], 0.05: [0.1, 0.9]}}
+    assert choose_rates(scores) == {"ours": 0.02}
+    assert choose_rates({"ours": {0.1: [0.6], 0.05: [0.6]}}) == {"ours": 0.05}
+
+
+def _patched(monkeypatch) -> list[int]:
+    student, splits = tiny_student(), tiny_splits()
+    encoded: list[int] = []
+    features = text_lr.block_features
+
+    def recording(model, texts, **kwargs):
+        assert texts is not splits.test, "the selection read the test texts"
+        encoded.append(len(texts))
+        return features(model, texts, **kwargs)
+
+    report = {"teacher_balanced_accuracy": 0.5, "student_balanced_accuracy": 0.4}
+    monkeypatch.setattr(text_lr, "kept_text_student", lambda run, folder, **_: (student, report))
+    monkeypatch.setattr(text_lr, "text_splits", lambda run: splits)
+    monkeypatch.setattr(text_lr, "block_features", recording)
+    monkeypatch.setattr(text_adaptation, "kept_text_student", lambda run, f, **_: (student, report))
+    monkeypatch.setattr(text_adaptation, "text_splits", lambda run: splits)
+    return encoded
+
+
+def test_selection_runs_the_grid_on_held_out_pool_texts_and_resumes(tmp_path, monkeypatch) -> None:
+    encoded = _patched(monkeypatch)
+    spec = replace(load_table("text", rounds=3), settings=(SETTING,))
+    chosen = select_text_lr(
+        spec,
+        student_dir=tmp_path / "s",
+        workdir=tmp_path / "cells",
+        results_dir=tmp_path / "r",
+        grid=(0.001, 0.5),
+        seeds=(7, 8),
+        log=lambda _line: None,
+    )
+    assert encoded == [96]  # the pool once; never the test texts
+    report = json.loads((tmp_path / "r" / "text_lr_selection.json").read_text())
+    assert len(report["cells"]) == 2 * 2 * 2 and len(report["rows"]) == 4
+    for method in ("linear-probe", "ours"):
+        rows = {row["lr"]: row for row in report["rows"] if row["method"] == method}
+        best = max(rows, key=lambda rate: rows[rate]["validation_balanced_accuracy_mean"])
+        assert chosen[method] == best and rows[best]["chosen"] == "yes"
+    for cell in report["cells"]:
+        # the held-out texts are a fifth of the pool, and training used the rest
+        assert cell["validation_texts"] + cell["training_texts"] == 96
+        assert abs(cell["validation_texts"] - 0.2 * 96) <= 2
+    # a rate of 0.001 for 3 rounds barely moves a fresh head; 0.5 learns the separable task
+    assert chosen == {"linear-probe": 0.5, "ours": 0.5}
+    assert report["config_entry"] == 'lr = { "linear-probe" = 0.5, "ours" = 0.5 }'
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a finished selection cell ran again")
+
+    monkeypatch.setattr(text_lr, "train_adapter", refuse)
+    lines: list[str] = []
+    again = select_text_lr(
+        spec,
+        student_dir=tmp_path / "s",
+        workdir=tmp_path / "cells",
+        results_dir=tmp_path / "r2",
+        grid=(0.001, 0.5),
+        seeds=(7, 8),
+        log=lines.append,
+    )
+    assert again == chosen and sum("done before" in line for line in lines) == 8
+    with pytest.raises(AssertionError, match="ran again"):  # another fraction: other cells
+        select_text_lr(
+            spec, student_dir=tmp_path / "s", workdir=tmp_path / "cells",
+            results_dir=tmp_path / "r3", grid=(0.5,), seeds=(7,), fraction=0.3,
+            log=lambda _line: None,
+        )  # fmt: skip
+
+
+def test_selection_refuses_full_finetuning_and_bad_grids(tmp_path) -> None:
+    spec = replace(load_table("text", rounds=3), settings=(SETTING,))
+    options = {"student_dir": tmp_path, "workdir": tmp_path, "results_dir": tmp_path}
+    with pytest.raises(ConfigError, match="not \\['full-finetune'\\]"):
+        select_text_lr(spec, methods=("ours", "full-finetune"), **options)
+    with pytest.raises(ConfigError, match="rates > 0"):
+        select_text_lr(spec, grid=(0.05, -1.0), **options)
+
+
+def test_a_tables_rates_reach_its_cells_and_other_rates_run_again(tmp_path, monkeypatch) -> None:
+    _patched(monkeypatch)
+    spec = replace(
+        load_table("text", seeds=[0], rounds=2),
+        methods=("linear-probe", "ours"),
+        settings=(SETTING,),
+        lr={},
+    )
+    used: list[float] = []
+    train = text_adaptation.train_adapter
+
+    def recording(pool, test, parts, config, **kwargs):
+        used.append(config.lr)
+        return train(pool, test, parts, config, **kwargs)
+
+    monkeypatch.setattr(text_adaptation, "train_adapter", recording)
+    options = {"student_dir": tmp_path / "s", "workdir": tmp_path / "cells", "log": print}
+    run_text_table(spec, results_dir=tmp_path / "r", **options)
+    assert used == [default_lr("linear-probe"), default_lr("ours")]
+    run_text_table(spec, results_dir=tmp_path / "r", **options)  # read back: nothing runs
+    assert len(used) == 2
+    tuned = replace(spec, lr={"ours": 0.02})
+    run_text_table(tuned, results_dir=tmp_path / "r", **options)
+    assert used[2:] == [0.02]  # only ours ran again, with its new rate
+    report = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())
+    assert {c["method"]: c["lr"] for c in report["cells"]} == {
+        "linear-probe": default_lr("linear-probe"),
+        "ours": 0.02,
+    }
+    assert "ours 0.02" in report["description"] and "--select-lr" in report["description"]
+    # a cell written before tables set rates (no "lr") counts as the method's default rate
+    cell = next((tmp_path / "cells" / "text").glob("linear-probe__*.json"))
+    record = json.loads(cell.read_text())
+    del record["lr"]
+    cell.write_text(json.dumps(record))
+    run_text_table(tuned, results_dir=tmp_path / "r", **options)
+    assert len(used) == 3
+
+
+def test_the_config_reads_rates_and_refuses_bad_ones(tmp_path) -> None:
+    config = tmp_path / "t.toml"
+    base = (
+        '[defaults]\nmethods = ["ours"]\nseeds = [0]\nrounds = 2\nlr_decay = true\n[t]\n'
+        'title = "t"\nsettings = [{ label = "a", clients = 2, partition = "iid" }]\n'
+    )
+    config.write_text(f"{base}lr = {{ ours = 0.02 }}\n")
+    spec = load_table("t", config)
+    assert spec.lr_of("ours") == 0.02 and spec.lr_of("linear-probe") == default_lr("ours")
+    config.write_text(f"{base}lr = {{ ours = -0.1 }}\n")
+    with pytest.raises(ConfigError, match="learning rate of ours must be > 0"):
+        load_table("t", config)
+    config.write_text(f"{base}lr = {{ boosting = 0.1 }}\n")
+    with pytest.raises(ConfigError, match="boosting"):
+        load_table("t", config)
+    config.write_text(f'{base}lr = {{ ours = "fast" }}\n')
+    with pytest.raises(ConfigError, match="missing or bad key"):
+        load_table("t", config)
+
+
+def test_the_text_tables_rates_are_the_committed_selections_choice() -> None:
+    """One source: the config's ``lr`` entry is what the committed selection chose."""
+    config = tomllib.loads((resources.files("fedfm.experiments") / "paper.toml").read_text())
+    for table, name in (("text", "text_lr_selection"), ("text_table1", "text_lr_selection_table1")):
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            assert "lr" not in config[table], f"{table} sets rates no selection chose"
+            continue
+        chosen = json.loads(path.read_text())["chosen"]
+        assert config[table].get("lr") == chosen, f"paper.toml [{table}] lr != {path.name}"
+
+
+def test_the_command_selects_with_its_own_seeds_and_refuses_other_modes(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(text_lr, "select_text_lr", lambda spec, **kw: seen.append((spec, kw)))
+    assert main(["paper-text", "--select-lr", "--settings", "K=5 alpha=1",
+                 "--lr-grid", "0.02", "0.05", "--results-dir", str(tmp_path)]) == 0  # fmt: skip
+    spec, options = seen[0]
+    assert [s.label for s in spec.settings] == ["K=5 alpha=1"]
+    assert options["grid"] == [0.02, 0.05] and tuple(options["seeds"]) == text_lr.SELECTION_SEEDS
+    assert options["methods"] == ["linear-probe", "ours"] and spec.seeds == (0, 1, 2)
+    assert main(["paper-text", "--select-lr", "--seeds", "5"]) == 0
+    assert seen[1][1]["seeds"] == [5] and seen[1][0].seeds == (0, 1, 2)
+    assert main(["paper-text", "--select-lr", "--protocol"]) != 0
+    assert main(["paper-text", "--lr-grid", "0.1"]) != 0
+    assert len(seen) == 2
