@@ -223,7 +223,7 @@ def distill(
     student.to(device)
     teacher.to(device)
     generator = torch.Generator().manual_seed(config.seed)
-    identity = {"config": asdict(config), "run": run_settings or {}}
+    identity: dict[str, Any] = {"config": asdict(config), "run": run_settings or {}}
     if precision.enabled:  # mixed precision gives other weights: not a state to resume as fp32
         identity["precision"] = precision.mode
     history: list[dict[str, Any]] = []

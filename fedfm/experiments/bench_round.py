@@ -98,6 +98,7 @@ def in_process_round(
 ) -> list[dict[str, Any]]:
     """The run's rounds in this process; each round's record and the run's wall time."""
     from fedfm.crypto.randomness import SecretStream
+    from fedfm.data import DataSplits
     from fedfm.distillation.pipeline import load_student
     from fedfm.protocols.double_blind.policy import DataOwnerPolicy
     from fedfm.protocols.double_blind.runner import run_in_process
@@ -105,6 +106,11 @@ def in_process_round(
 
     settings = app_settings(config)
     splits, _ = settings.student.load_data()
+    if not isinstance(splits, DataSplits):
+        raise ConfigError(
+            "bench-round times the image path (the distilled ViT on images); this run config "
+            "names a text task"
+        )
     student = load_student(Path(str(config["workdir"])) / "student.pt")
     started = time.perf_counter()
     history, _ = run_in_process(

@@ -267,7 +267,7 @@ def run_helix_evaluation(
         client = embed_party(
             client_spec, data, client_corpus, seed=seed, cache_dir=cache_dir, device=device
         )
-        row = {"provider": provider_spec, "client": client_spec}
+        row: dict[str, Any] = {"provider": provider_spec, "client": client_spec}
         row["d_A"], row["d_B"] = provider.public.shape[1], client.public.shape[1]
         row |= evaluate_pair(provider, client, data, ridge=ridge, seeds=range(seed, seed + repeats))
         row |= membership_inference(

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from fedfm.cli import main
+from fedfm.data.text_task import TEXT_DATASET
+from fedfm.errors import ConfigError
 from fedfm.experiments.bench_round import _row, _site_seconds
 from fedfm.runtime.site import Site, forward
 from fedfm.runtime.transport import Envelope
@@ -96,3 +98,16 @@ def test_bench_round_and_site_refuse_bad_input_in_one_line(
         loose.mkdir()
         loose.chmod(0o755)
         assert "chmod 700" in refused(["site", "--dir", str(loose)])
+
+
+def test_the_in_process_round_refuses_a_text_run_config(tmp_path, monkeypatch) -> None:
+    from fedfm.experiments.bench_round import in_process_round
+    from fedfm.models.student import TextStudentSource
+
+    def text_task(_source: object) -> tuple[object, None]:
+        return object(), None  # what a text task loads: not the images bench-round times
+
+    monkeypatch.setattr(TextStudentSource, "load_data", text_task)
+    config = {"dataset": TEXT_DATASET, "model": "minilm", "workdir": str(tmp_path)}
+    with pytest.raises(ConfigError, match="bench-round times the image path"):
+        in_process_round(config, tmp_path / "secret", log=print)
