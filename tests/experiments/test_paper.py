@@ -18,6 +18,7 @@ from fedfm.errors import ConfigError, ProtocolError
 from fedfm.experiments.paper import (
     adapter_test_accuracy,
     cell_file,
+    default_lr,
     load_table,
     run_efficiency_table,
     run_table,
@@ -171,6 +172,16 @@ def test_a_table_runs_every_cell_once_and_resumes_after_an_interruption(
     )
     assert not any("done before" in line for line in lines)
     assert {json.loads(p.read_text())["rounds"] for p in files} == {2}
+
+    # a table that sets a method's learning rate runs that method's cells again, at that rate
+    lines.clear()
+    run_table(
+        replace(longer, lr={"ours": 0.02}), {"aux": student}, splits, workdir=cells,
+        results_dir=results, log=lines.append,
+    )  # fmt: skip
+    assert sum("done before" in line for line in lines) == 4  # linear probing's, read back
+    rates = {(r["method"], r["lr"]) for r in (json.loads(p.read_text()) for p in files)}
+    assert rates == {("linear-probe", default_lr("linear-probe")), ("ours", 0.02)}
 
 
 def _first(spec):
