@@ -719,7 +719,7 @@ def _paper_text(args: argparse.Namespace) -> None:
             model=args.model,
             grid=args.lr_grid or LR_GRID,
             seeds=args.seeds or SELECTION_SEEDS,
-            methods=[m for m in args.methods or SELECTABLE_METHODS if m != "full-finetune"],
+            methods=args.methods or SELECTABLE_METHODS,  # full fine-tuning is refused there
             command=args.command_line,
             progress=not args.no_progress,
         )

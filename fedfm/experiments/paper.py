@@ -107,7 +107,7 @@ class TableSpec:
     lr_decay: bool
     figure_setting: str = ""  # draw Figure 3 for this setting ("": no figure)
     # learning rate per method where the table sets one (else :func:`default_lr`)
-    lr: Mapping[str, float] = field(default_factory=dict)
+    lr: Mapping[str, float] = field(default_factory=dict, hash=False)  # a dict: not hashable
 
     def lr_of(self, method: str) -> float:
         """The learning rate ``method``'s cells train with."""

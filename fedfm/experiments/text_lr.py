@@ -106,6 +106,8 @@ def select_text_lr(
     """Every (method, rate, setting, seed) of the grid on held-out pool texts (finished ones
     read back from ``<workdir>/<table>-lr-selection``), then
     ``results/<selection_results_name>.{json,md}``; returns the chosen rate per method."""
+    if not methods:
+        raise ConfigError(f"learning-rate selection needs a method of {list(SELECTABLE_METHODS)}")
     unknown = sorted(set(methods) - set(SELECTABLE_METHODS))
     if unknown:
         raise ConfigError(

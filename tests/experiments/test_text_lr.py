@@ -123,6 +123,8 @@ def test_selection_refuses_full_finetuning_and_bad_grids(tmp_path) -> None:
         select_text_lr(spec, methods=("ours", "full-finetune"), **options)
     with pytest.raises(ConfigError, match="rates > 0"):
         select_text_lr(spec, grid=(0.05, -1.0), **options)
+    with pytest.raises(ConfigError, match="needs a method"):
+        select_text_lr(spec, methods=(), **options)
 
 
 def test_a_tables_rates_reach_its_cells_and_other_rates_run_again(tmp_path, monkeypatch) -> None:
@@ -204,9 +206,12 @@ def test_the_command_selects_with_its_own_seeds_and_refuses_other_modes(monkeypa
     spec, options = seen[0]
     assert [s.label for s in spec.settings] == ["K=5 alpha=1"]
     assert options["grid"] == [0.02, 0.05] and tuple(options["seeds"]) == text_lr.SELECTION_SEEDS
-    assert options["methods"] == ["linear-probe", "ours"] and spec.seeds == (0, 1, 2)
+    assert tuple(options["methods"]) == text_lr.SELECTABLE_METHODS and spec.seeds == (0, 1, 2)
+    assert hash(spec) == hash(replace(spec, lr={"ours": 0.3}))  # a table is still hashable
     assert main(["paper-text", "--select-lr", "--seeds", "5"]) == 0
     assert seen[1][1]["seeds"] == [5] and seen[1][0].seeds == (0, 1, 2)
     assert main(["paper-text", "--select-lr", "--protocol"]) != 0
+    assert main(["paper-text", "--select-lr", "--methods", "ours"]) == 0
+    assert list(seen[2][1]["methods"]) == ["ours"]
     assert main(["paper-text", "--lr-grid", "0.1"]) != 0
-    assert len(seen) == 2
+    assert len(seen) == 3
