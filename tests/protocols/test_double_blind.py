@@ -489,6 +489,24 @@ def test_protocol_update_equals_plaintext_sgd_step(model, splits, secure, riding
     assert outcome.train_loss == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
 
 
+def test_an_honest_loss_on_confident_wrong_predictions_is_accepted(model, splits) -> None:
+    """A diverging model predicts its wrong classes with probabilities below 1e-12: the
+    server's cross-entropy (from the client's exact log-softmax) is then far above a loss
+    computed from clamped probabilities. The client must check against the same exact value,
+    or honest clients refuse honest rounds and leave (seen at lr 0.1 with hidden text lengths:
+    every client left in round 6)."""
+    config = small_config(momentum=0.0, lr=0.01, secure_aggregation=False)
+    server, client, state = setup_pair(model, splits, config)
+    initial = server.initial_arrays(96)
+    initial["head.weight"] = initial["head.weight"] * 1e4  # logits in the thousands
+    outcome = server.start("train", 7, 1, initial)
+    while isinstance(outcome, Envelope):
+        reply, state = client.handle(outcome, state)
+        outcome = server.on_reply(reply)
+    assert outcome.train_loss > 28.0  # above -log(1e-12) = 27.6: clamping would have differed
+    assert np.isfinite(outcome.train_loss)
+
+
 @pytest.mark.parametrize(("reveal", "shown"), [("last-two", [3, 4]), ("every-other", [2, 4])])
 def test_tap_sets_reveal_only_their_blocks_and_train_on_them(model, splits, reveal, shown) -> None:
     """With hidden blocks the client receives only the chosen outputs (the server chains the

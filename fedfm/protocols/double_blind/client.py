@@ -804,9 +804,10 @@ class DoubleBlindClient:
                 probs - rows * decrypted, rows, f"labels implied by gradient {index}"
             )
             one_hot_labels = one_hot(labels, self.data.num_classes)
-            own_loss = float(
-                -(one_hot_labels * np.log(np.maximum(probs, 1e-12))).sum(axis=1).mean()
-            )
+            # from the exact log-softmax the client encrypted for the server, not log(probs):
+            # a probability below float precision would clamp and differ from the server's loss
+            log_probs = to_numpy(out.detach().log_softmax(dim=1))
+            own_loss = float(-(one_hot_labels * log_probs).sum(axis=1).mean())
             # one value: (1,) under simulate, a (1, 1) row under CKKS
             server_loss = key.decrypt_received(loss).reshape(-1)
             if server_loss.size != 1 or abs(float(server_loss[0]) - own_loss) > LABEL_TOLERANCE:
