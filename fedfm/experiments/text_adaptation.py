@@ -668,13 +668,17 @@ def plot_text_curves(
     return path
 
 
+def table_suffix(spec: TableSpec) -> str:
+    """What a results file's name adds for a table: nothing for the config's ``text`` table,
+    ``_<table>`` (without a ``text_`` prefix) for another."""
+    return "" if spec.name == "text" else "_" + spec.name.removeprefix("text_")
+
+
 def results_name(spec: TableSpec, *, protocol: bool, hide_text_lengths: bool) -> str:
     """The results files' name: ``text_adaptation`` for the config's ``text`` table,
     ``text_adaptation_<table>`` for another (its name without a ``text_`` prefix), then
     ``_protocol`` and ``_hidden_lengths`` as the run says."""
-    name = "text_adaptation"
-    if spec.name != "text":
-        name += "_" + spec.name.removeprefix("text_")
+    name = "text_adaptation" + table_suffix(spec)
     return (
         name + ("_protocol" if protocol else "") + ("_hidden_lengths" if hide_text_lengths else "")
     )

@@ -36,6 +36,7 @@ from fedfm.experiments.text_adaptation import (
     block_features,
     distill_run,
     table_config,
+    table_suffix,
     text_splits,
     train_adapter,
 )
@@ -72,9 +73,7 @@ def validation_split(
 def selection_results_name(spec: TableSpec) -> str:
     """``text_lr_selection`` for the config's ``text`` table, ``text_lr_selection_<table>``
     for another (its name without a ``text_`` prefix)."""
-    return "text_lr_selection" + (
-        "" if spec.name == "text" else "_" + spec.name.removeprefix("text_")
-    )
+    return "text_lr_selection" + table_suffix(spec)
 
 
 def choose_rates(
