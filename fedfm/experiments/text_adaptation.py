@@ -457,6 +457,17 @@ def table_config(spec: TableSpec, setting: Setting, method: str) -> DoubleBlindC
     return replace(config, rank=0) if method == "linear-probe" else config
 
 
+def client_parts(pool: TokenizedTexts, setting: Setting, seed: int) -> list[np.ndarray]:
+    """The pool's indices per client of ``setting`` for ``seed`` (flwr-datasets' partitioners)."""
+    return partition(
+        pool,
+        num_partitions=setting.clients,
+        scheme=setting.partition,
+        alpha=setting.alpha,
+        seed=seed,
+    )
+
+
 def run_text_cell(
     method: str,
     setting: Setting,
@@ -481,13 +492,7 @@ def run_text_cell(
             "full fine-tuning has no server evaluating blocks: run it without hidden lengths"
         )
     started = time.perf_counter()
-    parts = partition(
-        splits.pool,
-        num_partitions=setting.clients,
-        scheme=setting.partition,
-        alpha=setting.alpha,
-        seed=seed,
-    )
+    parts = client_parts(splits.pool, setting, seed)
     config = table_config(spec, setting, method)
     if method == "full-finetune":
         result = finetune_text(

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from fedfm.data.partition import partition
 from fedfm.distillation.text import kept_student_path, kept_text_student
 from fedfm.errors import ConfigError
 from fedfm.experiments.paper import TableSpec, cell_file, kept_cell, write_atomically
@@ -34,6 +33,7 @@ from fedfm.experiments.results import write_results
 from fedfm.experiments.text_adaptation import (
     TextFeatures,
     block_features,
+    client_parts,
     distill_run,
     table_config,
     table_suffix,
@@ -158,14 +158,9 @@ def select_text_lr(
                 f"({time.perf_counter() - started:.0f} s; the test texts are not read)"
             )
         splits, pool, num_classes = loaded[source]
-        parts = partition(
-            splits.pool,
-            num_partitions=setting.clients,
-            scheme=setting.partition,
-            alpha=setting.alpha,
-            seed=seed,
+        training, validation = validation_split(
+            client_parts(splits.pool, setting, seed), fraction, seed
         )
-        training, validation = validation_split(parts, fraction, seed)
         log(f"{where} ...")
         started = time.perf_counter()
         result = train_adapter(
