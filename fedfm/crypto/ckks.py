@@ -242,7 +242,8 @@ def _join(parts: list[bytes]) -> bytes:
 
 
 def _split(blob: bytes) -> list[bytes]:
-    parts, offset = [], 0
+    parts: list[bytes] = []
+    offset = 0
     while offset < len(blob):
         start = offset + _LENGTH_BYTES
         end = start + int.from_bytes(blob[offset:start], "little")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,14 @@ if TYPE_CHECKING:  # annotations only: timm stays out of a data owner's ClientAp
     from fedfm.models.fhe_vit import FheAttention, FheViT
 
 Tensor = list[list[Ciphertext]]
+_Spec = TypeVar("_Spec")
+
+
+def _polynomial(spec: _Spec | None, what: str) -> _Spec:
+    """``spec``, or :class:`ModelError` when ``what`` is exact (CKKS evaluates polynomials only)."""
+    if spec is None:
+        raise ModelError(f"CKKS evaluates polynomials only: {what} is exact, not approximated")
+    return spec
 
 
 def _array(parameter: torch.Tensor | None, size: int) -> np.ndarray:
@@ -86,12 +94,54 @@ def check_encryptable(model: FheViT) -> None:
             "CKKS evaluates polynomials only: every approximation (exp, inverse, gelu, inv_sqrt) "
             f"must be set, got {approx.describe()}"
         )
-    for index, block in enumerate(model.vit.blocks):
-        identities = (block.ls1, block.ls2, block.attn.q_norm, block.attn.k_norm, block.attn.norm)
-        if not all(isinstance(m, nn.Identity) for m in (*identities, block.mlp.norm)):
-            raise ModelError(f"block {index}: layer scale and q/k norms are not supported")
-        if not isinstance(block.mlp.act, ApproxGELU):
-            raise ModelError(f"block {index}: the MLP activation is not the approximated GELU")
+    for index in range(model.num_blocks):
+        block_layers(model, index)
+
+
+@dataclass(frozen=True)
+class VitBlockLayers:
+    """One ViT block's layers by role, checked to be what the circuit evaluates."""
+
+    attention: FheAttention
+    attention_norm: ApproxLayerNorm
+    mlp_norm: ApproxLayerNorm
+    fc1: nn.Linear
+    gelu: PolySpec
+    fc2: nn.Linear
+
+
+def block_layers(model: FheViT, index: int) -> VitBlockLayers:
+    """Block ``index`` of ``model`` by role; :class:`ModelError` for a part CKKS cannot evaluate
+    (layer scale, q/k norms, an exact non-linearity, another block structure)."""
+    from fedfm.models.fhe_vit import FheAttention  # timm stays out of a ClientApp's imports
+
+    block = model.vit.blocks[index]
+    where = f"block {index}"
+    attention, mlp_layers = block.attn, block.mlp
+    if not isinstance(mlp_layers, nn.Module):
+        raise ModelError(f"{where}: the MLP is not a module")
+    if not isinstance(attention, FheAttention):
+        raise ModelError(f"{where}: the attention is not the FHE-friendly attention")
+    identities = (block.ls1, block.ls2, attention.q_norm, attention.k_norm, attention.norm)
+    if not all(isinstance(m, nn.Identity) for m in (*identities, mlp_layers.norm)):
+        raise ModelError(f"{where}: layer scale and q/k norms are not supported")
+    attention_norm, mlp_norm = block.norm1, block.norm2
+    if not (isinstance(attention_norm, ApproxLayerNorm) and isinstance(mlp_norm, ApproxLayerNorm)):
+        raise ModelError(f"{where}: the LayerNorms are not the approximated LayerNorm")
+    activation = mlp_layers.act
+    if not isinstance(activation, ApproxGELU):
+        raise ModelError(f"{where}: the MLP activation is not the approximated GELU")
+    fc1, fc2 = mlp_layers.fc1, mlp_layers.fc2
+    if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
+        raise ModelError(f"{where}: the MLP's layers are not linear layers")
+    return VitBlockLayers(
+        attention=attention,
+        attention_norm=attention_norm,
+        mlp_norm=mlp_norm,
+        fc1=fc1,
+        gelu=_polynomial(activation.spec, f"{where}'s GELU"),
+        fc2=fc2,
+    )
 
 
 @dataclass(frozen=True)
@@ -199,13 +249,18 @@ def add(circuit: Circuit, a: Tensor, b: Tensor) -> Tensor:
 def embedding_table(model: FheViT) -> tuple[Linear, np.ndarray]:
     """The patch projection as a linear layer and the per-token additive term ``(T, D)``."""
     vit = model.vit
-    conv = vit.patch_embed.proj
-    if vit.no_embed_class or vit.cls_token is None or not isinstance(vit.norm_pre, nn.Identity):
+    conv, cls_token, pos_embed = vit.patch_embed.proj, vit.cls_token, vit.pos_embed
+    if (
+        vit.no_embed_class
+        or cls_token is None
+        or pos_embed is None
+        or not isinstance(vit.norm_pre, nn.Identity)
+    ):
         raise ModelError("the CKKS embedding needs a class token with its position embedding")
     weight = conv.weight.detach().double().numpy().reshape(conv.out_channels, -1)
     bias = _array(conv.bias, conv.out_channels)
-    position = vit.pos_embed.detach().double().numpy()[0].copy()
-    position[0] += vit.cls_token.detach().double().numpy()[0, 0] - bias  # no patch at token 0
+    position = pos_embed.detach().double().numpy()[0].copy()
+    position[0] += cls_token.detach().double().numpy()[0, 0] - bias  # no patch at token 0
     return Linear(weight, bias), position
 
 
@@ -284,7 +339,7 @@ def layer_norm(
     u = symbol()
     inv_std = yield from evaluate_traced(
         circuit,
-        evaluate_inv_sqrt(norm.spec, u),
+        evaluate_inv_sqrt(_polynomial(norm.spec, "the LayerNorm's inverse square root"), u),
         {u: variance},
         f"{place}/inv_sqrt",
         output_headroom=(
@@ -518,7 +573,7 @@ def _head_weights(
             )
         )
     a = symbol()
-    exp = _scaled_exp(softmax.exp_spec)
+    exp = _scaled_exp(_polynomial(softmax.exp_spec, "the softmax's exp"))
     numerators = yield from evaluate_traced(
         circuit, polyval(exp, a), {a: masked}, f"{place}/exp", output_headroom=1
     )
@@ -552,7 +607,7 @@ def _head_weights(
     inputs = {s: scaled, n: numerators}
     inverse = yield from evaluate_traced(
         circuit,
-        evaluate_inverse(softmax.inverse_spec, s),
+        evaluate_inverse(_polynomial(softmax.inverse_spec, "the softmax's inverse"), s),
         inputs,
         f"{place}/inverse",
         output_headroom=2,
@@ -623,7 +678,7 @@ def _head_values(
 
 def mlp(
     circuit: Circuit,
-    block: nn.Module,
+    block: VitBlockLayers,
     layout: SlotLayout,
     x: Tensor,
     samples: int,
@@ -636,7 +691,7 @@ def mlp(
     # fedfm.crypto.schedule)
     normed, centring = yield from layer_norm(
         circuit,
-        block.norm2,
+        block.mlp_norm,
         x,
         layout.valid(samples),
         ("valid", samples),
@@ -644,7 +699,7 @@ def mlp(
         inv_std_headroom=1,
     )
     (flat,) = yield from circuit.ensure([_flat(normed)], 1, f"{place}/fc1")
-    fc1 = Linear.of(block.mlp.fc1).after_norm(block.norm2, centring)
+    fc1 = Linear.of(block.fc1).after_norm(block.mlp_norm, centring)
     normed = _shape(flat, len(x))
     # A batch in the lower half of the groups carries the hidden layer two features per
     # ciphertext: half the GELU work and half its refreshes, for a rotation per feature.
@@ -653,14 +708,14 @@ def mlp(
     h = symbol()
     activated = yield from evaluate_traced(
         circuit,
-        polyval(block.mlp.act.spec, h),
+        polyval(block.gelu, h),
         {h: _flat(hidden)},
         f"{place}/gelu",
         output_headroom=1,  # for fc2
     )
     (activated,) = yield from circuit.ensure([activated], 1, f"{place}/fc2")
     activated_tensor = _shape(activated, len(hidden))
-    fc2 = Linear.of(block.mlp.fc2)
+    fc2 = Linear.of(block.fc2)
     if folded:
         return unfolded_linear(circuit, layout, fc2, activated_tensor)
     return linear(circuit, fc2, activated_tensor)
@@ -675,10 +730,10 @@ def block(
     samples: int,
 ) -> Work[Tensor]:
     """Block ``index`` of ``model``; ``x`` must have valid token copies."""
-    vit_block = model.vit.blocks[index]
+    vit_block = block_layers(model, index)
     place = f"block{index + 1}"
     attended = yield from attention(
-        circuit, vit_block.attn, vit_block.norm1, layout, x, samples, place
+        circuit, vit_block.attention, vit_block.attention_norm, layout, x, samples, place
     )
     x = add(circuit, x, attended)
     return add(circuit, x, (yield from mlp(circuit, vit_block, layout, x, samples, place)))
@@ -765,7 +820,7 @@ def permute(
         ]
     if any(ct is None for feature in out for ct in feature):
         raise ProtocolError("internal: a permutation left an output ciphertext empty")
-    return out  # type: ignore[return-value]
+    return out
 
 
 # Benes layers per multiplicative level. A layer is a masked sum (one level); composing the

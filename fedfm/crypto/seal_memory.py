@@ -55,7 +55,7 @@ def _value_address(item: Any) -> int:
 def _words(address: int, count: int) -> np.ndarray:
     """A ``uint64`` view of ``count`` words at ``address`` (the caller keeps the owner alive)."""
     buffer = (ctypes.c_uint64 * count).from_address(address)
-    return np.frombuffer(buffer, dtype=np.uint64)
+    return np.frombuffer(memoryview(buffer), dtype=np.uint64)
 
 
 def _array_of(header: np.ndarray, start: int, expected: int) -> int:

@@ -15,6 +15,7 @@ time on encrypted inputs).
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 from timm.layers.attention import Attention
@@ -126,8 +127,11 @@ class FheViT(nn.Module):
         """Block ``index`` and its un-normalised attention matrix (Eq. 10)."""
         if not 0 <= index < self.num_blocks:
             raise ModelError(f"block index {index} out of range 0..{self.num_blocks - 1}")
-        block: Block = self.vit.blocks[index]
-        attended, logits = block.attn.forward_with_logits(block.norm1(hidden))
+        block = cast(Block, self.vit.blocks[index])  # to_fhe_friendly refuses other blocks
+        attention = block.attn
+        if not isinstance(attention, FheAttention):  # to_fhe_friendly swaps every attention
+            raise ModelError(f"block {index}'s attention is not the FHE-friendly attention")
+        attended, logits = attention.forward_with_logits(block.norm1(hidden))
         hidden = hidden + block.drop_path1(block.ls1(attended))
         hidden = hidden + block.drop_path2(block.ls2(block.mlp(block.norm2(hidden))))
         return hidden, logits
@@ -161,11 +165,13 @@ class FheViT(nn.Module):
         return to_fhe_friendly(self.vit, approx)
 
 
-def to_fhe_friendly(model: VisionTransformer | FheViT, approx: ApproxConfig) -> FheViT:
-    """Copy ``model`` and replace its non-linearities as ``approx`` says; the source is untouched.
+def to_fhe_friendly(model: nn.Module, approx: ApproxConfig) -> FheViT:
+    """Copy ``model`` (a timm ``VisionTransformer`` or an :class:`FheViT`) and replace its
+    non-linearities as ``approx`` says; the source is untouched.
 
-    Raises :class:`ModelError` for architectures the block decomposition cannot represent (blocks
-    other than timm's ``Block``, attention pooling, gated attention, non-polynomial layers).
+    Raises :class:`ModelError` for another model and for architectures the block decomposition
+    cannot represent (blocks other than timm's ``Block``, attention pooling, gated attention,
+    non-polynomial layers).
     """
     vit = model.vit if isinstance(model, FheViT) else model
     if not isinstance(vit, VisionTransformer):

@@ -8,6 +8,7 @@ polynomial model to about 1e-6 of its output range (the tests allow 1e-4 of the 
 
 from __future__ import annotations
 
+import copy
 import numpy as np
 import pytest
 import tenseal as ts
@@ -305,6 +306,30 @@ def test_models_that_are_not_polynomial_are_refused(
     batch = owner.encrypt(images[:2].numpy())
     with pytest.raises(ModelError, match="polynomials only"):
         run_locally(evaluator.embed(exact, batch), evaluator, owner)
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ("norm2", "not the approximated LayerNorm"),
+        ("act", "not the approximated GELU"),
+        ("ls1", "layer scale"),
+    ],
+)
+def test_a_block_ckks_cannot_evaluate_is_refused_by_name(
+    tiny: tuple[FheViT, torch.Tensor], part: str, message: str
+) -> None:
+    """Each block is checked part by part before any ciphertext is touched."""
+    from fedfm.crypto import ckks_vit
+
+    model, _ = tiny
+    changed = copy.deepcopy(model)
+    block = changed.vit.blocks[changed.num_blocks - 1]
+    owner = block.mlp if part == "act" else block
+    setattr(owner, part, torch.nn.GELU() if part == "act" else torch.nn.LayerNorm(8))
+    ckks_vit.check_encryptable(model)  # the unchanged model passes
+    with pytest.raises(ModelError, match=f"block {changed.num_blocks - 1}: .*{message}"):
+        ckks_vit.check_encryptable(changed)
 
 
 def test_restored_owner_decrypts_and_refreshes(
