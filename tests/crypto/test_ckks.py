@@ -9,6 +9,7 @@ polynomial model to about 1e-6 of its output range (the tests allow 1e-4 of the 
 from __future__ import annotations
 
 import copy
+
 import numpy as np
 import pytest
 import tenseal as ts
@@ -23,6 +24,7 @@ from fedfm.crypto import (
     CKKS_16384,
     CkksParameters,
     ModelGeometry,
+    ckks_vit,
     run_locally,
 )
 from fedfm.crypto.backend import drive
@@ -320,8 +322,6 @@ def test_a_block_ckks_cannot_evaluate_is_refused_by_name(
     tiny: tuple[FheViT, torch.Tensor], part: str, message: str
 ) -> None:
     """Each block is checked part by part before any ciphertext is touched."""
-    from fedfm.crypto import ckks_vit
-
     model, _ = tiny
     changed = copy.deepcopy(model)
     block = changed.vit.blocks[changed.num_blocks - 1]
