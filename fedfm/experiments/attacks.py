@@ -124,9 +124,9 @@ class CuriousClient:
         training = 0 if request.message_type == EVALUATE_BLOCK else count - riding
         labels: list[np.ndarray | None] = [None] * count
         if training < count:
-            key = self.backend.restore_key_owner(state.group("key"))
-            packed = BlockRequest.from_envelope(request, key.load)
-            rows = np.concatenate([key.decrypt(batch) for batch in packed.labels])
+            key_owner = self.backend.restore_key_owner(state.group("key"))
+            packed = BlockRequest.from_envelope(request, key_owner.load)
+            rows = np.concatenate([key_owner.decrypt(batch) for batch in packed.labels])
             splits = np.cumsum(packed.batch_sizes)[:-1]
             labels = [part.argmax(axis=1) for part in np.split(rows, splits)]
         for i in range(count):

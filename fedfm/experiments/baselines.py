@@ -258,8 +258,9 @@ def run_full_finetune(
                 loss.backward()
                 with torch.no_grad():
                     for parameter, velocity in zip(params, buffers, strict=True):
-                        velocity.mul_(finetune.momentum).add_(parameter.grad)
-                        parameter -= step_size * velocity
+                        gradient = parameter.grad  # None: the loss does not use it
+                        velocity.mul_(finetune.momentum).add_(0.0 if gradient is None else gradient)
+                        parameter.sub_(step_size * velocity)
                 step_losses.append(loss.item())
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
             weights.append(count * n)
@@ -288,7 +289,7 @@ def run_full_finetune(
         history.append(record)
         if checkpoint_dir is not None:
             arrays = {k: to_numpy(v) for k, v in global_state.items()}
-            state = RunState(server_round, arrays, history, rng.bit_generator.state)
+            state = RunState(server_round, arrays, history, dict(rng.bit_generator.state))
             save_state(checkpoint_dir, state, identity)
         log(
             f"[fedfm] round {server_round}/{config.rounds} [full fine-tuning, plaintext]: "

@@ -15,6 +15,7 @@ depend on the weights, so no teacher is trained; the student is calibrated on a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,7 @@ def run_latency_benchmark(
     seconds = {}
     with torch.inference_mode():
         for name, model in models.items():
-            seconds[name] = median_latency(
-                lambda m=model: m(images), repeats=repeats, device=device
-            )
+            seconds[name] = median_latency(partial(model, images), repeats=repeats, device=device)
             log(f"[fedfm] bench {name}: {1000 * seconds[name]:.2f} ms per batch of {len(images)}")
     rows = [
         {

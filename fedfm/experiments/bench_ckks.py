@@ -288,7 +288,7 @@ def measure_refresh_values(
         largest.append(max(float(np.abs(client.unmasked(ct)).max()) for ct in ciphertexts))
         return pairs
 
-    refresher.mask_many = spy  # type: ignore[method-assign]
+    refresher.mask_many = spy
 
     def refresh(items: list[Any]) -> list[Any]:
         return evaluator.refreshed(owner.refresh(evaluator.refresh_payload(items)))

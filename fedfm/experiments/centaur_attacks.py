@@ -51,7 +51,7 @@ TESTS = "tests/experiments/test_centaur_attacks.py"
 MATCHED = 8  # positions the command's vocabulary matching recovers per prompt
 
 
-def rouge_l(reference: Sequence[int], candidate: Sequence[int]) -> float:
+def rouge_l(reference: Sequence[int] | np.ndarray, candidate: Sequence[int] | np.ndarray) -> float:
     """ROUGE-L F1 of two token sequences (longest common subsequence)."""
     a, b = list(reference), list(candidate)
     if not a or not b:
@@ -257,10 +257,10 @@ def learned_inversion(
             k: [] for k in ("plain", "permuted", "random", "sorted_permuted")
         }
         accuracy: dict[str, list[float]] = {k: [] for k in scores}
-        for ids, trace, view in zip(victims, victim_traces, views, strict=True):
+        for ids, values, view in zip(victims, victim_traces, views, strict=True):
             observed = view[view_name]
             guesses = {
-                "plain": plain_model(trace[trace_name]),
+                "plain": plain_model(values[trace_name]),
                 "permuted": plain_model(observed),
                 "random": plain_model(rng.normal(rows.mean(), rows.std(), observed.shape)),
                 "sorted_permuted": sorted_model(np.sort(observed, axis=1)),

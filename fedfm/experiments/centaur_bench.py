@@ -70,9 +70,15 @@ def role_inputs(plan: Deployment, ids: np.ndarray, key: bytes) -> dict[str, dict
 
 
 def timed_inference(
-    plan: Deployment, ids: np.ndarray, *, presets: Sequence[str] = BENCH_PRESETS, **config: Any
+    plan: Deployment,
+    ids: np.ndarray,
+    *,
+    presets: Sequence[str] = BENCH_PRESETS,
+    max_new_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """One run on the runtime over an emulated network: the client's report, traffic, times."""
+    """One run on the runtime over an emulated network: the client's report, traffic, times
+    (``max_new_tokens``: the decoder's run config, None for an encoder)."""
+    config = {} if max_new_tokens is None else {"max-new-tokens": max_new_tokens}
     key = os.urandom(32)
     federation = InProcessFederation(
         centaur(plan.run_config(**config)), role_inputs(plan, ids, key)
@@ -81,12 +87,10 @@ def timed_inference(
     started = time.perf_counter()
     result = federation.run(transport)
     wall = time.perf_counter() - started
-    traffic = result.traffic.to_dict()
-    nodes = traffic["nodes"].values()  # type: ignore[union-attr]
     return {
         "report": open_report(key, result.outputs["client"]["report"]),
         "round_trips": int(result.traffic.round_trips),
-        "bytes": int(sum(n["bytes_down"] + n["bytes_up"] for n in nodes)),  # type: ignore[index]
+        "bytes": result.traffic.node_bytes,
         "seconds": {p: float(transport.projected_seconds[p]) for p in presets},
         "network_seconds": {p: float(transport.network_seconds[p]) for p in presets},
         "wall_seconds": wall,
@@ -258,7 +262,7 @@ def run_centaur_benchmark(
             generate = 1 if mode == "full-sharing" else tokens
             log(f"[fedfm] bench-centaur: decoder {mode} run {repeat + 1}/{repeats}")
             decoder_runs[mode].append(
-                timed_inference(d_plans[mode], prompts[0], **{"max-new-tokens": generate})
+                timed_inference(d_plans[mode], prompts[0], max_new_tokens=generate)
             )
     for mode in MODES:
         generate = 1 if mode == "full-sharing" else tokens
@@ -272,7 +276,7 @@ def run_centaur_benchmark(
         if mode != "full-sharing":
             diffs.append(diff)
             tokens_identical &= same
-            one_pass = timed_inference(d_plans[mode], prompts[0], **{"max-new-tokens": 1})
+            one_pass = timed_inference(d_plans[mode], prompts[0], max_new_tokens=1)
             row["one_pass"] = {f"{p}_seconds": one_pass["seconds"][p] for p in BENCH_PRESETS} | {
                 "bytes": one_pass["bytes"],
                 "round_trips": one_pass["round_trips"],

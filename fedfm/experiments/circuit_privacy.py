@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tenseal as ts
@@ -38,7 +39,7 @@ class Arena:
     upload: CkksBatch
 
 
-def evaluator(owner: CkksKeyOwner, **changes: int) -> CkksEvaluator:
+def evaluator(owner: CkksKeyOwner, **changes: Any) -> CkksEvaluator:
     """A server for ``owner`` on ``ckks-8192`` with parameter ``changes`` (e.g. flood_bits=0)."""
     params = dataclasses.replace(CKKS_8192_REFRESH, **changes)
     return CkksBackend(params).create_evaluator(owner.public_context(), GEOMETRY)

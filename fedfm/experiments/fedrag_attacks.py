@@ -187,14 +187,14 @@ def query_leakage(
     rng = np.random.default_rng(0)
     hits = []
     for number, source in enumerate(sources):
-        vector = queries[number]
+        vector: np.ndarray | None = queries[number]
         if seen is not None:
             floats = [
                 a
                 for a in seen[number].values()
                 if a.dtype.kind == "f" and a.size == corpus.shape[1]
             ]
-            vector = floats[0].reshape(-1) if floats else None  # type: ignore[assignment]
+            vector = floats[0].reshape(-1) if floats else None
         guess = (
             int(np.argmax(corpus @ vector))
             if vector is not None
@@ -353,8 +353,8 @@ def _query_leakage_pair() -> tuple[float, float]:
     from fedfm.protocols.fedrag.retrieval import QueryKeys
 
     texts = _texts(QUERY_LEAKAGE_DOCUMENTS)
-    pairs = [(i, question_of(t)) for i, t in enumerate(texts)]
-    pairs = [(i, qa) for i, qa in pairs if qa is not None][:QUERY_LEAKAGE_QUERIES]
+    asked = [(i, question_of(t)) for i, t in enumerate(texts)]
+    pairs = [(i, qa) for i, qa in asked if qa is not None][:QUERY_LEAKAGE_QUERIES]
     corpus = embed(texts)
     queries = embed([qa[0] for _, qa in pairs])
     sources = np.asarray([i for i, _ in pairs])

@@ -57,6 +57,7 @@ from fedfm.protocols.fedrag.protocol import (
 from fedfm.protocols.fedrag.reference import perplexity_of, plaintext_generate
 from fedfm.protocols.fedrag.scrambler import LocalRandomness, draw_attention_keys, relative_error
 from fedfm.runtime import PRESETS, EmulatedTransport, InProcessFederation
+from fedfm.runtime.transport import ConfigValue
 
 BENCH_PRESETS = ("lan", "rtt-10ms")
 QUERY_TOKENS = 16
@@ -162,7 +163,7 @@ def run_case(
         "owner_1": {"segment": case.owner_1, **owner_extra},
         COORDINATOR: coordinator,
     }
-    config = {
+    config: dict[str, ConfigValue] = {
         "max-new-tokens": tokens,
         "attention": attention,
         "scrambler": scrambler,
@@ -187,12 +188,10 @@ def run_case(
 
     result = federation.run(transport, log=log)
     report = open_report(key, result.outputs[COORDINATOR]["report"])
-    traffic = result.traffic.to_dict()
-    nodes = traffic["nodes"].values()  # type: ignore[union-attr]
     summary: dict[str, Any] = {
         "report": report,
         "round_trips": int(result.traffic.round_trips),
-        "traffic_bytes": int(sum(n["bytes_down"] + n["bytes_up"] for n in nodes)),  # type: ignore[index]
+        "traffic_bytes": result.traffic.node_bytes,
     }
     if transport is not None:
         first = "report" if tokens == 1 else f"{COORDINATOR}_b1_l0_q"

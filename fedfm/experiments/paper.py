@@ -552,7 +552,7 @@ def run_efficiency_table(
     reset_peak_memory(target)
     images = splits.pool.images[:batch_size].to(target)
     labels = splits.pool.labels[:batch_size].long().to(target)
-    rows = []
+    rows: list[dict[str, Any]] = []
     with torch.random.fork_rng(), server_model_on(student, "simulate", target):
         torch.manual_seed(0)
         for method in methods:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -219,9 +220,7 @@ def run_sweep(
         accuracy = score(student, splits.test.images, splits.test.labels)
         student.eval()
         with torch.inference_mode():
-            latency = median_latency(
-                lambda s=student: s(bench_images), repeats=repeats, device=device
-            )
+            latency = median_latency(partial(student, bench_images), repeats=repeats, device=device)
         peak = peak_step_memory(spec, student, bench_images)
         row = {
             kind: "exact" if value is None else value,

@@ -78,6 +78,11 @@ class Traffic:
     pairs: dict[Pair, PairTraffic] = field(default_factory=dict)
     nodes: dict[int, NodeTraffic] = field(default_factory=dict)
 
+    @property
+    def node_bytes(self) -> int:
+        """Bytes carried to and from every node (requests and replies)."""
+        return sum(node.bytes_down + node.bytes_up for node in self.nodes.values())
+
     def record_round_trip(self, requests: list[Envelope], replies: list[Envelope]) -> None:
         self.round_trips += 1
         for request, reply in zip(requests, replies, strict=True):
