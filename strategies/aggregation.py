@@ -135,7 +135,8 @@ def task_identity() -> Iterator[None]:
         try:
             yield
         finally:
-            TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
+            # Flower's unset state is None, which its annotations do not admit
+            TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]
     else:
         yield
 
