@@ -153,12 +153,17 @@ HOLD = "fedfm.hold"
 MAX_HOLD_SECONDS = 30.0
 
 
-def hold_message(node_id: int, seconds: float, *, ttl: float | None = None) -> Message:
-    """A hold for ``node_id``: its ClientApp waits ``seconds`` before answering."""
+def _hold_length(seconds: float) -> float:
+    """``seconds`` as a float; :class:`ProtocolError` outside 0 to ``MAX_HOLD_SECONDS``, or NaN."""
     if not 0.0 <= seconds <= MAX_HOLD_SECONDS:
         raise ProtocolError(f"a hold lasts 0 to {MAX_HOLD_SECONDS:g} s, not {seconds!r}")
+    return float(seconds)
+
+
+def hold_message(node_id: int, seconds: float, *, ttl: float | None = None) -> Message:
+    """A hold for ``node_id``: its ClientApp waits ``seconds`` before answering."""
     return Message(
-        RecordDict({HOLD: ConfigRecord({"seconds": float(seconds)})}),
+        RecordDict({HOLD: ConfigRecord({"seconds": _hold_length(seconds)})}),
         dst_node_id=node_id,
         message_type=HOLD_MESSAGE_TYPE,
         ttl=ttl,
@@ -177,6 +182,4 @@ def hold_seconds(message: Message) -> float:
     seconds = record.get("seconds") if isinstance(record, ConfigRecord) else None
     if isinstance(seconds, bool) or not isinstance(seconds, float | int):
         raise ProtocolError(f"a {HOLD_MESSAGE_TYPE} message lacks its {HOLD!r} seconds")
-    if not 0.0 <= seconds <= MAX_HOLD_SECONDS:
-        raise ProtocolError(f"a hold lasts 0 to {MAX_HOLD_SECONDS:g} s, not {seconds!r}")
-    return float(seconds)
+    return _hold_length(seconds)

@@ -765,6 +765,19 @@ class RecordingGrid(LoopbackGrid):
         return ids
 
 
+@pytest.mark.parametrize("seconds", [-0.5, 30.5, float("nan")])
+def test_a_hold_outside_its_range_is_refused_when_made_and_when_read(seconds: float) -> None:
+    """A server cannot make a hold longer than the cap, and a ClientApp reads none it did not
+    allow (a relay could rewrite the seconds on the way)."""
+    with pytest.raises(ProtocolError, match="a hold lasts 0 to 30 s"):
+        hold_message(1, seconds)
+    forged = hold_message(1, 1.0)
+    forged.content["fedfm.hold"]["seconds"] = seconds
+    with pytest.raises(ProtocolError, match="a hold lasts 0 to 30 s"):
+        hold_seconds(forged)
+    assert hold_seconds(hold_message(1, 30.0)) == 30.0
+
+
 def test_flower_transport_keeps_each_node_warm_with_a_hold_after_its_request(student_dir) -> None:
     """``keep_warm``: every request is followed by a hold for the same node, whose length
     follows the server's answer time for that node; the ClientApp answers a hold without
