@@ -76,8 +76,13 @@ def block_layers(model: FheTextClassifier, index: int) -> TextBlockLayers:
     softmax = parts.softmax
     if softmax.exp_spec is None or softmax.inverse_spec is None:
         raise ModelError(f"{where}: CKKS needs the polynomial softmax (exp and inverse)")
-    norms = (parts.attention_norm, parts.output_norm)
-    if not all(isinstance(n, ApproxLayerNorm) and n.spec is not None for n in norms):
+    attention_norm, output_norm = parts.attention_norm, parts.output_norm
+    if not (
+        isinstance(attention_norm, ApproxLayerNorm)
+        and isinstance(output_norm, ApproxLayerNorm)
+        and attention_norm.spec is not None
+        and output_norm.spec is not None
+    ):
         raise ModelError(f"{where}: CKKS needs both LayerNorms with the polynomial inverse sqrt")
     activation = parts.activation
     if not isinstance(activation, ApproxGELU) or activation.spec is None:
@@ -98,11 +103,11 @@ def block_layers(model: FheTextClassifier, index: int) -> TextBlockLayers:
             heads=parts.heads,
         ),
         softmax=softmax,
-        attention_norm=parts.attention_norm,  # type: ignore[arg-type]  # checked above
+        attention_norm=attention_norm,
         intermediate=Linear.of(intermediate),
         gelu=activation.spec,
         output=Linear.of(output),
-        output_norm=parts.output_norm,  # type: ignore[arg-type]
+        output_norm=output_norm,
     )
 
 
