@@ -200,6 +200,7 @@ def _distill_text(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens,
         seed=args.seed,
         aux_per_class=args.aux_per_class,
+        pool_per_class=args.pool_per_class,
         test_per_class=args.test_per_class,
         distill_data=args.distill_data,
         distill_texts=args.distill_texts,
@@ -867,6 +868,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=text_defaults.aux_per_class,
         help="D_aux texts per family (teacher head and distillation)",
+    )
+    distill_text.add_argument(
+        "--pool-per-class",
+        type=int,
+        default=text_defaults.pool_per_class,
+        help="the data owners' pool texts per family (never distilled on); `fedfm paper-text`'s "
+        "split is --pool-per-class 100 --test-per-class 60",
     )
     distill_text.add_argument("--test-per-class", type=int, default=text_defaults.test_per_class)
     distill_text.add_argument(

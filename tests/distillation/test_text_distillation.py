@@ -38,6 +38,25 @@ def test_gelu_options_reach_the_run(monkeypatch) -> None:
     assert seen[1].ablation
 
 
+def test_the_adapted_students_split_is_one_command_line(monkeypatch) -> None:
+    """``fedfm paper-text``'s student, distilled on more texts, is a ``distill-text`` run."""
+    from dataclasses import replace
+
+    import fedfm.experiments.text_distillation as experiment
+    from fedfm.data.text_task import TEXT_SPLIT
+    from fedfm.distillation.text import student_run
+
+    seen = []
+    monkeypatch.setattr(
+        experiment, "run_text_distillation_experiment", lambda run, **_: seen.append(run)
+    )
+    line = ["distill-text", "--distill-texts", "960", "--no-ablation"]
+    for name, value in TEXT_SPLIT.items():
+        line += [f"--{name.replace('_', '-')}", str(value)]
+    assert main(line) == 0
+    assert seen == [replace(student_run("minilm"), distill_texts=960)]
+
+
 def test_too_few_distillation_texts_are_refused() -> None:
     with pytest.raises(ConfigError, match="distill_texts must be >= 1"):
         TextDistillRun(distill_texts=0)
