@@ -113,29 +113,21 @@ class VitBlockLayers:
 def block_layers(model: FheViT, index: int) -> VitBlockLayers:
     """Block ``index`` of ``model`` by role; :class:`ModelError` for a part CKKS cannot evaluate
     (layer scale, q/k norms, an exact non-linearity, another block structure)."""
-    from fedfm.models.fhe_vit import FheAttention  # timm stays out of a ClientApp's imports
-
-    block = model.vit.blocks[index]
+    parts = model.block_modules(index)
     where = f"block {index}"
-    attention, mlp_layers = block.attn, block.mlp
-    if not isinstance(mlp_layers, nn.Module):
-        raise ModelError(f"{where}: the MLP is not a module")
-    if not isinstance(attention, FheAttention):
-        raise ModelError(f"{where}: the attention is not the FHE-friendly attention")
-    identities = (block.ls1, block.ls2, attention.q_norm, attention.k_norm, attention.norm)
-    if not all(isinstance(m, nn.Identity) for m in (*identities, mlp_layers.norm)):
+    if not all(isinstance(m, nn.Identity) for m in parts.unsupported):
         raise ModelError(f"{where}: layer scale and q/k norms are not supported")
-    attention_norm, mlp_norm = block.norm1, block.norm2
+    attention_norm, mlp_norm = parts.attention_norm, parts.mlp_norm
     if not (isinstance(attention_norm, ApproxLayerNorm) and isinstance(mlp_norm, ApproxLayerNorm)):
         raise ModelError(f"{where}: the LayerNorms are not the approximated LayerNorm")
-    activation = mlp_layers.act
+    activation = parts.activation
     if not isinstance(activation, ApproxGELU):
         raise ModelError(f"{where}: the MLP activation is not the approximated GELU")
-    fc1, fc2 = mlp_layers.fc1, mlp_layers.fc2
+    fc1, fc2 = parts.fc1, parts.fc2
     if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
         raise ModelError(f"{where}: the MLP's layers are not linear layers")
     return VitBlockLayers(
-        attention=attention,
+        attention=parts.attention,
         attention_norm=attention_norm,
         mlp_norm=mlp_norm,
         fc1=fc1,

@@ -15,6 +15,7 @@ time on encrypted inputs).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -96,6 +97,19 @@ def _swap_modules(module: nn.Module, approx: ApproxConfig) -> None:
             _swap_modules(child, approx)
 
 
+@dataclass(frozen=True)
+class VitBlockModules:
+    """The layers of one block by role (what an encrypted evaluator checks, folds and runs)."""
+
+    attention: FheAttention
+    attention_norm: nn.Module
+    mlp_norm: nn.Module
+    fc1: nn.Module
+    activation: nn.Module
+    fc2: nn.Module
+    unsupported: tuple[nn.Module, ...]  # layer scales, q/k norms, the MLP's norm: identities
+
+
 class FheViT(nn.Module):
     """A ViT whose non-linearities follow an :class:`ApproxConfig`; embedding, blocks and head.
 
@@ -121,6 +135,31 @@ class FheViT(nn.Module):
         """Block ``index`` (0-based) on its input alone: ``b_{l} = B_l(b_{l-1})``."""
         return self.block_with_logits(index, hidden)[0]
 
+    def block_modules(self, index: int) -> VitBlockModules:
+        """The layers of block ``index`` by role."""
+        if not 0 <= index < self.num_blocks:
+            raise ModelError(f"block index {index} out of range 0..{self.num_blocks - 1}")
+        block = cast(Block, self.vit.blocks[index])  # to_fhe_friendly refuses other blocks
+        attention, mlp = block.attn, cast(nn.Module, block.mlp)
+        if not isinstance(attention, FheAttention):  # to_fhe_friendly swaps every attention
+            raise ModelError(f"block {index}'s attention is not the FHE-friendly attention")
+        return VitBlockModules(
+            attention=attention,
+            attention_norm=block.norm1,
+            mlp_norm=block.norm2,
+            fc1=cast(nn.Module, mlp.fc1),
+            activation=cast(nn.Module, mlp.act),
+            fc2=cast(nn.Module, mlp.fc2),
+            unsupported=(
+                block.ls1,
+                block.ls2,
+                cast(nn.Module, attention.q_norm),
+                cast(nn.Module, attention.k_norm),
+                cast(nn.Module, attention.norm),
+                cast(nn.Module, mlp.norm),
+            ),
+        )
+
     def block_with_logits(
         self, index: int, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,9 +167,7 @@ class FheViT(nn.Module):
         if not 0 <= index < self.num_blocks:
             raise ModelError(f"block index {index} out of range 0..{self.num_blocks - 1}")
         block = cast(Block, self.vit.blocks[index])  # to_fhe_friendly refuses other blocks
-        attention = block.attn
-        if not isinstance(attention, FheAttention):  # to_fhe_friendly swaps every attention
-            raise ModelError(f"block {index}'s attention is not the FHE-friendly attention")
+        attention = self.block_modules(index).attention
         attended, logits = attention.forward_with_logits(block.norm1(hidden))
         hidden = hidden + block.drop_path1(block.ls1(attended))
         hidden = hidden + block.drop_path2(block.ls2(block.mlp(block.norm2(hidden))))
