@@ -335,6 +335,20 @@ def _run_digest(run: TextDistillRun) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of ``model``'s weights and buffers (names, dtypes, shapes and values).
+
+    A kept student's file is named by its run's settings; this names the weights themselves.
+    The same settings distilled in another environment (library versions, code) can give other
+    weights, and results of two such students must not be mixed in one table."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        values = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{values.dtype}:{tuple(values.shape)}".encode())
+        digest.update(values.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def kept_student_path(run: TextDistillRun, folder: Path) -> Path:
     """Where :func:`kept_text_student` keeps the student of ``run``."""
     return folder / f"text-student-{_run_digest(run)}.pt"
@@ -348,16 +362,19 @@ def kept_text_student(
     The file is named by a digest of ``run`` (another split, seed or approximation distils
     again); it holds the student's weights and calibrated buffers (GELU channel scales, division
     bounds), so the student is rebuilt from the encoder and loaded. A file that does not match
-    the rebuilt model is refused (:class:`ConfigError`), never half loaded.
+    the rebuilt model is refused (:class:`ConfigError`), never half loaded. The report's
+    ``weights_digest`` (:func:`weights_digest`) names the weights themselves.
     """
     path = kept_student_path(run, folder)
     if path.exists():
         student, report = read_text_student(
             path, model=run.model, approx=run.approx.build(), max_tokens=run.max_tokens
         )
-        log(f"[fedfm] text student read from {path}")
+        report["weights_digest"] = weights_digest(student)
+        log(f"[fedfm] text student read from {path} (weights {report['weights_digest']})")
         return student.eval(), report
     report, student = run_text_distillation(run, progress=progress, log=log)
+    report["weights_digest"] = weights_digest(student)
     folder.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
     # the report as JSON text: numpy scalars would not load under weights_only

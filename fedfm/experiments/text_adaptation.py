@@ -43,7 +43,7 @@ import copy
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,8 @@ BATCHES_PER_ROUND = 4
 ENCODE_CHUNK = 64
 # How a table's learning rates are chosen (fedfm.experiments.text_lr), named in its results.
 LR_SELECTION_COMMAND = "fedfm paper-text --select-lr"
+# A cell's record names the weights of the student it adapted (``weights_digest``).
+STUDENT_WEIGHTS_KEY = "student_weights"
 
 
 @dataclass(frozen=True)
@@ -594,11 +596,16 @@ def lengths_shown_comparison(
     *,
     student_dir: Path,
     model: str,
+    weights: Mapping[str, str | None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """What hiding text lengths cost: per setting and method of the hidden-lengths table
     (``hidden``, :func:`summarize_text`'s summaries), the same method with the texts' own key
     masks from the finished cells in ``shown_folder`` (same student, settings and seeds), and
-    the difference in points (shown - hidden). Entries without such cells are left out."""
+    the difference in points (shown - hidden). Entries without such cells are left out.
+
+    ``weights``: the hidden-lengths cells' student weights per distillation source
+    (``None``: not recorded); a shown cell counts only if it names the same."""
+    weights = weights or {}
     cells = {}
     for setting in spec.settings:
         student_file = kept_student_path(distill_run(setting, model), student_dir).name
@@ -608,6 +615,7 @@ def lengths_shown_comparison(
                 if (
                     kept is not None
                     and kept.get("student") == student_file
+                    and kept.get(STUDENT_WEIGHTS_KEY) == weights.get(setting.distill_data)
                     and not kept.get("hide_text_lengths", False)
                 ):
                     cells[(method, setting.label, seed)] = kept
@@ -689,6 +697,31 @@ def results_name(spec: TableSpec, *, protocol: bool, hide_text_lengths: bool) ->
     )
 
 
+def check_same_student(cells: Sequence[dict[str, Any]], digest: str, folder: Path) -> None:
+    """Refuse to add cells of the student whose weights are ``digest`` to finished ``cells``
+    of another student (:class:`ConfigError`).
+
+    Kept students are named by their distillation settings; distilled again in another
+    environment (library versions, code), the same settings can give other weights. Cells made
+    before cells named their weights cannot show which student they adapted."""
+    others = [cell for cell in cells if cell.get(STUDENT_WEIGHTS_KEY) != digest]
+    if not others:
+        return
+    found = sorted({str(cell.get(STUDENT_WEIGHTS_KEY, "not recorded")) for cell in others})
+    raise ConfigError(
+        f"{len(others)} finished cells in {folder} adapted a student with the same settings "
+        f"and other weights (weights {', '.join(found)}; the student here: {digest}): it was "
+        "distilled again, in another environment or before cells named their weights. Running "
+        "the missing cells would mix two students in one table. Move those cells (or that "
+        "folder) away to run the table with this student, or summarise them alone with "
+        "--kept-only."
+    )
+
+
+def _cell_title(number: int, total: int, method: str, setting: Setting, seed: int) -> str:
+    return f"[fedfm] text cell {number}/{total}: {method}, {setting.label}, seed {seed}"
+
+
 def run_text_table(
     spec: TableSpec,
     *,
@@ -735,9 +768,9 @@ def run_text_table(
     cells: dict[tuple[str, str, int], dict[str, Any]] = {}
     missing: list[dict[str, Any]] = []
     quiet: Callable[[str], None] = log if progress else (lambda _line: None)
+    to_run: list[tuple[int, str, Setting, int]] = []
     for number, (method, setting, seed) in enumerate(plan, start=1):
         path = cell_file(folder, method, setting, seed)
-        where = f"[fedfm] text cell {number}/{len(plan)}: {method}, {setting.label}, seed {seed}"
         # a cell counts only for the student it adapted (another model or split runs again)
         student_file = kept_student_path(distill_run(setting, model), student_dir).name
         kept = kept_cell(path, spec, setting)
@@ -747,17 +780,27 @@ def run_text_table(
             and kept.get("hide_text_lengths", False) == hide_text_lengths
         ):
             cells[(method, setting.label, seed)] = kept
-            log(f"{where}: done before, read from {path}")
-            continue
-        if not run_missing:
+            title = _cell_title(number, len(plan), method, setting, seed)
+            log(f"{title}: done before, read from {path}")
+        elif run_missing:
+            to_run.append((number, method, setting, seed))
+        else:
             missing.append({"method": method, "setting": setting.label, "seed": seed})
-            continue
+    # every student first, so finished cells of another student stop the run before it starts
+    for source in sorted({setting.distill_data for _, _, setting, _ in to_run}):
+        run = distill_run(next(s for _, _, s, _ in to_run if s.distill_data == source), model)
+        student, report = kept_text_student(run, student_dir, progress=progress, log=log)
+        students[source] = (student, report, text_splits(run))
+        check_same_student(
+            [cell for cell in cells.values() if cell["setting"]["distill_data"] == source],
+            report["weights_digest"],
+            folder,
+        )
+    for number, method, setting, seed in to_run:
+        path = cell_file(folder, method, setting, seed)
+        where = _cell_title(number, len(plan), method, setting, seed)
         source = setting.distill_data
-        if source not in students:
-            run = distill_run(setting, model)
-            student, report = kept_text_student(run, student_dir, progress=progress, log=log)
-            students[source] = (student, report, text_splits(run))
-        student, _, splits = students[source]
+        student, report, splits = students[source]
         if method != "full-finetune" and not protocol and source not in features:
             started = time.perf_counter()
             features[source] = (
@@ -781,7 +824,8 @@ def run_text_table(
             protocol=protocol,
             hide_text_lengths=hide_text_lengths,
         )
-        record["student"] = student_file
+        record["student"] = kept_student_path(distill_run(setting, model), student_dir).name
+        record[STUDENT_WEIGHTS_KEY] = report["weights_digest"]
         write_atomically(path, record)
         cells[(method, setting.label, seed)] = record
         log(
@@ -806,7 +850,15 @@ def run_text_table(
     if hide_text_lengths:
         shown_folder = folder.with_name(folder.name.removesuffix(suffix))
         comparison = lengths_shown_comparison(
-            spec, by_setting, shown_folder, student_dir=student_dir, model=model
+            spec,
+            by_setting,
+            shown_folder,
+            student_dir=student_dir,
+            model=model,
+            weights={
+                cell["setting"]["distill_data"]: cell.get(STUDENT_WEIGHTS_KEY)
+                for cell in cells.values()
+            },
         )
         for row in rows:
             entry = comparison.get(row["setting"], {}).get(TEXT_METHODS[row["method"]])

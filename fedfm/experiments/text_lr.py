@@ -28,11 +28,13 @@ import numpy as np
 
 from fedfm.distillation.text import kept_student_path, kept_text_student
 from fedfm.errors import ConfigError
-from fedfm.experiments.paper import TableSpec, cell_file, kept_cell, write_atomically
+from fedfm.experiments.paper import Setting, TableSpec, cell_file, kept_cell, write_atomically
 from fedfm.experiments.results import write_results
 from fedfm.experiments.text_adaptation import (
+    STUDENT_WEIGHTS_KEY,
     TextFeatures,
     block_features,
+    check_same_student,
     client_parts,
     distill_run,
     table_config,
@@ -129,6 +131,7 @@ def select_text_lr(
     quiet: Callable[[str], None] = log if progress else (lambda _line: None)
     loaded: dict[str, tuple[Any, TextFeatures, int]] = {}
     cells: list[dict[str, Any]] = []
+    to_run: list[tuple[str, float, Setting, int, str]] = []
     for number, (method, rate, setting, seed) in enumerate(plan, start=1):
         cell_spec = replace(spec, lr={method: rate})
         path = cell_file(folder, f"{method}-lr{rate:g}", setting, seed)
@@ -145,18 +148,30 @@ def select_text_lr(
         ):
             cells.append(kept)
             log(f"{where}: done before, read from {path}")
-            continue
+        else:
+            to_run.append((method, rate, setting, seed, where))
+    # every student first, so finished cells of another student stop the run before it starts
+    digests: dict[str, str] = {}
+    for source in sorted({setting.distill_data for _, _, setting, _, _ in to_run}):
+        run = distill_run(next(s for _, _, s, _, _ in to_run if s.distill_data == source), model)
+        student, report = kept_text_student(run, student_dir, progress=progress, log=log)
+        digests[source] = report["weights_digest"]
+        check_same_student(
+            [cell for cell in cells if cell["setting"]["distill_data"] == source],
+            digests[source],
+            folder,
+        )
+        splits = text_splits(run)
+        started = time.perf_counter()
+        loaded[source] = (splits, block_features(student, splits.pool), len(splits.classes))
+        log(
+            f"[fedfm] the student's block outputs on {len(splits.pool)} pool texts "
+            f"({time.perf_counter() - started:.0f} s; the test texts are not read)"
+        )
+    for method, rate, setting, seed, where in to_run:
+        cell_spec = replace(spec, lr={method: rate})
+        path = cell_file(folder, f"{method}-lr{rate:g}", setting, seed)
         source = setting.distill_data
-        if source not in loaded:
-            run = distill_run(setting, model)
-            student, _ = kept_text_student(run, student_dir, progress=progress, log=log)
-            splits = text_splits(run)
-            started = time.perf_counter()
-            loaded[source] = (splits, block_features(student, splits.pool), len(splits.classes))
-            log(
-                f"[fedfm] the student's block outputs on {len(splits.pool)} pool texts "
-                f"({time.perf_counter() - started:.0f} s; the test texts are not read)"
-            )
         splits, pool, num_classes = loaded[source]
         training, validation = validation_split(
             client_parts(splits.pool, setting, seed), fraction, seed
@@ -185,7 +200,8 @@ def select_text_lr(
             "validation_balanced_accuracy": result["test_balanced_accuracy"],
             "validation_balanced_accuracy_per_round": result["test_balanced_accuracy_per_round"],
             "train_loss_per_round": result["train_loss_per_round"],
-            "student": student_file,
+            "student": kept_student_path(distill_run(setting, model), student_dir).name,
+            STUDENT_WEIGHTS_KEY: digests[source],
             "seconds": time.perf_counter() - started,
         }
         write_atomically(path, record)

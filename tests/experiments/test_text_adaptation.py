@@ -18,7 +18,12 @@ from fedfm.cli import main
 from fedfm.data.partition import partition
 from fedfm.data.text_task import TextSplits, TokenizedTexts
 from fedfm.distillation import text as text_distillation
-from fedfm.distillation.text import TextDistillRun, kept_student_path, kept_text_student
+from fedfm.distillation.text import (
+    TextDistillRun,
+    kept_student_path,
+    kept_text_student,
+    weights_digest,
+)
 from fedfm.errors import ConfigError, ProtocolError
 from fedfm.experiments import text_adaptation
 from fedfm.experiments.paper import Setting, TableSpec, load_table
@@ -173,7 +178,11 @@ def _patched_table(monkeypatch, student, splits) -> list[str]:
 
     def fake_student(run, folder, **_):
         loaded.append(run.distill_data)
-        report = {"teacher_balanced_accuracy": 0.5, "student_balanced_accuracy": 0.4}
+        report = {
+            "teacher_balanced_accuracy": 0.5,
+            "student_balanced_accuracy": 0.4,
+            "weights_digest": weights_digest(student),  # as the student is now
+        }
         return student, report
 
     monkeypatch.setattr(text_adaptation, "kept_text_student", fake_student)
@@ -252,6 +261,46 @@ def test_kept_only_summarises_the_finished_cells_and_lists_the_rest(tmp_path, mo
     assert "full_finetune" not in setting
     assert "ours_beats_linear_probe" not in setting  # one seed: no standard deviation
     assert len(report["missing_cells"]) == 4 and "Not run yet: 4 of 6" in report["description"]
+
+
+def test_cells_of_a_student_with_other_weights_are_never_mixed_into_a_table(
+    tmp_path, monkeypatch
+) -> None:
+    student, splits = tiny_student(), tiny_splits()
+    _patched_table(monkeypatch, student, splits)
+    spec = replace(
+        load_table(
+            "text",
+            seeds=[0, 1],
+            rounds=2,
+        ),
+        methods=("linear-probe",),
+        settings=(Setting("K=2 alpha=1", 2, "dirichlet", 1.0, 16, "stdlib"),),
+    )
+    options = {"student_dir": tmp_path / "s", "workdir": tmp_path / "cells"}
+    run_text_table(replace(spec, seeds=(0,)), results_dir=tmp_path / "r", **options)
+    cell = json.loads(next((tmp_path / "cells" / "text").glob("*.json")).read_text())
+    assert cell["student_weights"] == weights_digest(student)
+    # the same settings distilled again elsewhere: the kept student's name, other weights
+    with torch.no_grad():
+        next(student.parameters()).add_(1e-3)
+    with pytest.raises(ConfigError, match=r"1 finished cells .* other weights"):
+        run_text_table(spec, results_dir=tmp_path / "r", **options)
+    assert len(list((tmp_path / "cells" / "text").glob("*.json"))) == 1  # nothing ran or was lost
+    run_text_table(spec, results_dir=tmp_path / "r", run_missing=False, **options)  # summarised
+    # cells from before cells named their weights cannot show their student either
+    path = next((tmp_path / "cells" / "text").glob("*.json"))
+    path.write_text(json.dumps({k: v for k, v in cell.items() if k != "student_weights"}))
+    with pytest.raises(ConfigError, match="weights not recorded"):
+        run_text_table(spec, results_dir=tmp_path / "r", **options)
+
+
+def test_the_weights_digest_names_values_not_settings() -> None:
+    first, second = tiny_student(), tiny_student()
+    assert weights_digest(first) == weights_digest(second)
+    with torch.no_grad():
+        next(second.parameters())[0] += 1e-6
+    assert weights_digest(first) != weights_digest(second)
 
 
 def test_the_hidden_lengths_table_is_kept_apart_and_refuses_full_finetuning(
@@ -387,7 +436,10 @@ def test_a_kept_student_is_read_back_and_a_foreign_one_refused(tmp_path, monkeyp
     kept_text_student(run, tmp_path, log=lambda _: None)
     assert kept_student_path(run, tmp_path).exists() and len(calls) == 1
     second, read = kept_text_student(run, tmp_path, log=lambda _: None)
-    assert len(calls) == 1 and read == {"classes": ["a", "b", "c"], "student_accuracy": 0.5}
+    assert len(calls) == 1
+    # the digest names the weights read back, which are the weights kept
+    digest = weights_digest(student)
+    assert read == {"classes": ["a", "b", "c"], "student_accuracy": 0.5, "weights_digest": digest}
     expected, loaded = student.state_dict(), second.state_dict()
     assert set(expected) == set(loaded)
     for name, value in expected.items():

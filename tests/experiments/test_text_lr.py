@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fedfm.cli import main
+from fedfm.distillation.text import weights_digest
 from fedfm.errors import ConfigError
 from fedfm.experiments import text_adaptation, text_lr
 from fedfm.experiments.paper import Setting, default_lr, load_table
@@ -57,7 +58,11 @@ def _patched(monkeypatch) -> list[int]:
         encoded.append(len(texts))
         return features(model, texts, **kwargs)
 
-    report = {"teacher_balanced_accuracy": 0.5, "student_balanced_accuracy": 0.4}
+    report = {
+        "teacher_balanced_accuracy": 0.5,
+        "student_balanced_accuracy": 0.4,
+        "weights_digest": weights_digest(student),
+    }
     monkeypatch.setattr(text_lr, "kept_text_student", lambda run, folder, **_: (student, report))
     monkeypatch.setattr(text_lr, "text_splits", lambda run: splits)
     monkeypatch.setattr(text_lr, "block_features", recording)
@@ -114,6 +119,23 @@ def test_selection_runs_the_grid_on_held_out_pool_texts_and_resumes(tmp_path, mo
             results_dir=tmp_path / "r3", grid=(0.5,), seeds=(7,), fraction=0.3,
             log=lambda _line: None,
         )  # fmt: skip
+
+
+def test_selection_never_mixes_cells_of_a_student_with_other_weights(tmp_path, monkeypatch) -> None:
+    _patched(monkeypatch)
+    spec = replace(load_table("text", rounds=2), settings=(SETTING,))
+    options = {
+        "student_dir": tmp_path / "s", "workdir": tmp_path / "cells", "results_dir": tmp_path / "r",
+        "seeds": (7,), "methods": ("linear-probe",), "log": lambda _line: None,
+    }  # fmt: skip
+    select_text_lr(spec, grid=(0.5,), **options)
+    student = tiny_student()
+    other = {"teacher_balanced_accuracy": 0.5, "student_balanced_accuracy": 0.4}
+    other["weights_digest"] = "0" * 16  # distilled again elsewhere: same name, other weights
+    monkeypatch.setattr(text_lr, "kept_text_student", lambda run, folder, **_: (student, other))
+    with pytest.raises(ConfigError, match=r"1 finished cells .* other weights"):
+        select_text_lr(spec, grid=(0.5, 0.1), **options)
+    assert len(list((tmp_path / "cells").rglob("*.json"))) == 1
 
 
 def test_selection_refuses_full_finetuning_and_bad_grids(tmp_path) -> None:
