@@ -685,7 +685,6 @@ def _paper_text(args: argparse.Namespace) -> None:
     from fedfm.experiments.paper import load_table
     from fedfm.experiments.text_adaptation import run_text_table
     from fedfm.experiments.text_lr import (
-        LR_GRID,
         SELECTABLE_METHODS,
         SELECTION_SEEDS,
         select_text_lr,
@@ -718,9 +717,9 @@ def _paper_text(args: argparse.Namespace) -> None:
             workdir=args.cells_dir,
             results_dir=args.results_dir,
             model=args.model,
-            grid=args.lr_grid or LR_GRID,
+            grid=args.lr_grid,  # None: the methods' own grid
             seeds=args.seeds or SELECTION_SEEDS,
-            methods=args.methods or SELECTABLE_METHODS,  # full fine-tuning is refused there
+            methods=args.methods or SELECTABLE_METHODS,
             command=args.command_line,
             progress=not args.no_progress,
         )
@@ -1231,7 +1230,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the table: choose ours' and linear probing's learning rates on the "
         "texts each client holds out of its pool partition (never the test texts; --seeds "
-        "default 100 101): results/text_lr_selection[_<table>].*, the config's lr entry",
+        "default 100 101): results/text_lr_selection[_<table>].*, the config's lr entry; "
+        "with --methods full-finetune, full fine-tuning's (its own grid and "
+        "results/text_lr_selection[_<table>]_full_finetune.*)",
     )
     paper_text.add_argument(
         "--lr-grid",
@@ -1239,7 +1240,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="LR",
-        help="the rates --select-lr tries (default 0.01 0.02 0.05 0.1 0.2)",
+        help="the rates --select-lr tries (default 0.01 0.02 0.05 0.1 0.2; full fine-tuning "
+        "0.0025 0.01 0.04)",
     )
     paper_text.set_defaults(handler=_paper_text)
 

@@ -969,6 +969,7 @@ def _student_summary(report: dict[str, Any]) -> dict[str, Any]:
         "split_sizes",
         "approximations",
         "distill_data",
+        "weights_digest",
     )
     return {key: report[key] for key in keys if key in report}
 

@@ -11,8 +11,10 @@ highest mean balanced accuracy on the held-out pool texts wins (ties: the smalle
 ``fedfm/experiments/paper.toml`` carries the choice (``tests/experiments/test_text_lr.py``
 checks the two agree), and the table's cells record the rate they ran with.
 
-Full fine-tuning keeps :data:`fedfm.experiments.baselines.DEFAULT_FINETUNE_LR`: one cell takes
-12-29 minutes here, a grid of them hours; the results say so.
+Full fine-tuning is selected the same way, on its own (``methods=("full-finetune",)``): its
+cells train the whole student (about 10-30 minutes each here with K = 5), so its grid
+(:data:`FINETUNE_LR_GRID`, around the paper's ratio's 0.0025) is its own and its results go to
+``results/text_lr_selection[_<table>]_full_finetune.{json,md}``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from fedfm.data.text_task import TextSplits
 from fedfm.distillation.text import kept_student_path, kept_text_student
 from fedfm.errors import ConfigError
 from fedfm.experiments.paper import Setting, TableSpec, cell_file, kept_cell, write_atomically
@@ -37,6 +40,7 @@ from fedfm.experiments.text_adaptation import (
     check_same_student,
     client_parts,
     distill_run,
+    finetune_text,
     table_config,
     table_suffix,
     text_splits,
@@ -49,6 +53,15 @@ LR_GRID: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2)
 SELECTION_SEEDS: tuple[int, ...] = (100, 101)
 VALIDATION_FRACTION = 0.2
 SELECTABLE_METHODS: tuple[str, ...] = ("linear-probe", "ours")
+# Full fine-tuning's rates: from the paper's ratio's 0.0025 up, a factor of 4 apart (SGD with
+# momentum on a whole encoder wants far smaller steps than a fresh adapter).
+FINETUNE_LR_GRID: tuple[float, ...] = (0.0025, 0.01, 0.04)
+FULL_FINETUNE = ("full-finetune",)
+
+
+def default_grid(methods: Sequence[str]) -> tuple[float, ...]:
+    """The rates a selection of ``methods`` tries unless told otherwise."""
+    return FINETUNE_LR_GRID if tuple(methods) == FULL_FINETUNE else LR_GRID
 
 
 def validation_split(
@@ -72,10 +85,12 @@ def validation_split(
     return training, validation
 
 
-def selection_results_name(spec: TableSpec) -> str:
+def selection_results_name(spec: TableSpec, methods: Sequence[str] = SELECTABLE_METHODS) -> str:
     """``text_lr_selection`` for the config's ``text`` table, ``text_lr_selection_<table>``
-    for another (its name without a ``text_`` prefix)."""
-    return "text_lr_selection" + table_suffix(spec)
+    for another (its name without a ``text_`` prefix); ``_full_finetune`` after it for full
+    fine-tuning's own selection."""
+    name = "text_lr_selection" + table_suffix(spec)
+    return name + ("_full_finetune" if tuple(methods) == FULL_FINETUNE else "")
 
 
 def choose_rates(
@@ -96,7 +111,7 @@ def select_text_lr(
     workdir: Path,
     results_dir: Path,
     model: str = "minilm",
-    grid: Sequence[float] = LR_GRID,
+    grid: Sequence[float] | None = None,
     seeds: Sequence[int] = SELECTION_SEEDS,
     methods: Sequence[str] = SELECTABLE_METHODS,
     fraction: float = VALIDATION_FRACTION,
@@ -106,15 +121,27 @@ def select_text_lr(
 ) -> dict[str, float]:
     """Every (method, rate, setting, seed) of the grid on held-out pool texts (finished ones
     read back from ``<workdir>/<table>-lr-selection``), then
-    ``results/<selection_results_name>.{json,md}``; returns the chosen rate per method."""
+    ``results/<selection_results_name>.{json,md}``; returns the chosen rate per method.
+
+    ``grid`` defaults to :func:`default_grid`; full fine-tuning is selected on its own."""
     if not methods:
-        raise ConfigError(f"learning-rate selection needs a method of {list(SELECTABLE_METHODS)}")
-    unknown = sorted(set(methods) - set(SELECTABLE_METHODS))
+        raise ConfigError(
+            f"learning-rate selection needs a method of {list(SELECTABLE_METHODS)} or "
+            f"{list(FULL_FINETUNE)}"
+        )
+    unknown = sorted(set(methods) - set(SELECTABLE_METHODS) - set(FULL_FINETUNE))
     if unknown:
         raise ConfigError(
-            f"learning-rate selection runs {list(SELECTABLE_METHODS)} (full fine-tuning's cells "
-            f"take 12-29 minutes each), not {unknown}"
+            f"learning-rate selection runs {list(SELECTABLE_METHODS)} or "
+            f"{list(FULL_FINETUNE)}, not {unknown}"
         )
+    if set(FULL_FINETUNE) & set(methods) and tuple(methods) != FULL_FINETUNE:
+        raise ConfigError(
+            "select full fine-tuning's rate on its own (--methods full-finetune): its cells "
+            f"train the whole student (minutes each) on its own grid {list(FINETUNE_LR_GRID)}, "
+            f"not with {sorted(set(methods) - set(FULL_FINETUNE))}"
+        )
+    grid = default_grid(methods) if grid is None else grid
     if not grid or any(not rate > 0 for rate in grid):
         raise ConfigError(f"the learning-rate grid needs rates > 0, got {list(grid)}")
     if not seeds:
@@ -129,7 +156,8 @@ def select_text_lr(
         for seed in seeds
     ]
     quiet: Callable[[str], None] = log if progress else (lambda _line: None)
-    loaded: dict[str, tuple[Any, TextFeatures, int]] = {}
+    finetuning = tuple(methods) == FULL_FINETUNE
+    loaded: dict[str, tuple[Any, TextSplits, TextFeatures | None, int]] = {}
     cells: list[dict[str, Any]] = []
     to_run: list[tuple[str, float, Setting, int, str]] = []
     for number, (method, rate, setting, seed) in enumerate(plan, start=1):
@@ -163,30 +191,46 @@ def select_text_lr(
         )
         splits = text_splits(run)
         started = time.perf_counter()
-        loaded[source] = (splits, block_features(student, splits.pool), len(splits.classes))
-        log(
-            f"[fedfm] the student's block outputs on {len(splits.pool)} pool texts "
-            f"({time.perf_counter() - started:.0f} s; the test texts are not read)"
-        )
+        # full fine-tuning trains the blocks themselves: no frozen block outputs to cache
+        features = None if finetuning else block_features(student, splits.pool)
+        loaded[source] = (student, splits, features, len(splits.classes))
+        if features is not None:
+            log(
+                f"[fedfm] the student's block outputs on {len(splits.pool)} pool texts "
+                f"({time.perf_counter() - started:.0f} s; the test texts are not read)"
+            )
     for method, rate, setting, seed, where in to_run:
         cell_spec = replace(spec, lr={method: rate})
         path = cell_file(folder, f"{method}-lr{rate:g}", setting, seed)
         source = setting.distill_data
-        splits, pool, num_classes = loaded[source]
+        student, splits, pool, num_classes = loaded[source]
         training, validation = validation_split(
             client_parts(splits.pool, setting, seed), fraction, seed
         )
         log(f"{where} ...")
         started = time.perf_counter()
-        result = train_adapter(
-            pool,
-            pool.subset(validation),
-            training,
-            table_config(cell_spec, setting, method),
-            num_classes=num_classes,
-            seed=seed,
-            log=quiet,
-        )
+        config = table_config(cell_spec, setting, method)
+        if pool is None:  # full fine-tuning, as the table's cells run it
+            result = finetune_text(
+                student,
+                splits.pool,
+                splits.pool.subset(validation),
+                training,
+                config,
+                seed=seed,
+                lr=rate,
+                log=quiet,
+            )
+        else:
+            result = train_adapter(
+                pool,
+                pool.subset(validation),
+                training,
+                config,
+                num_classes=num_classes,
+                seed=seed,
+                log=quiet,
+            )
         record = {
             "method": method,
             "setting": asdict(setting),
@@ -233,8 +277,17 @@ def select_text_lr(
                     "chosen": "yes" if chosen[method] == rate else "",
                 }
             )
-    name = selection_results_name(spec)
-    toml_line = "lr = { " + ", ".join(f'"{m}" = {chosen[m]:g}' for m in methods) + " }"
+    name = selection_results_name(spec, methods)
+    # the table's whole entry: the rates chosen here over what it sets for the other methods
+    entry = {**spec.lr, **chosen}
+    toml_line = "lr = { " + ", ".join(f'"{m}" = {rate:g}' for m, rate in entry.items()) + " }"
+    trained = (
+        f"Plaintext FedAvg of the whole {model} student with a fresh head (full fine-tuning), "
+        "as `fedfm paper-text` trains it"
+        if finetuning
+        else f"The protocol's client rule on the frozen {model} student's block outputs in "
+        "plaintext, as `fedfm paper-text` trains"
+    )
     write_results(
         results_dir,
         name,
@@ -243,11 +296,14 @@ def select_text_lr(
             f"Balanced accuracy (%) on the texts each client holds out of its own partition "
             f"({fraction:.0%}; never the test texts) after {spec.rounds} rounds of the table's "
             f"schedule on the rest, mean ± std over settings {[s.label for s in spec.settings]} "
-            f"and seeds {list(seeds)} (apart from the table's {list(spec.seeds)}). The "
-            f"protocol's client rule on the frozen {model} student's block outputs in plaintext, "
-            f"as `fedfm paper-text` trains. Chosen: the highest mean (ties: the smaller rate); "
-            f"the table's config entry: `{toml_line}`. Full fine-tuning keeps its default rate "
-            f"(not selected: 12-29 minutes per cell)."
+            f"and seeds {list(seeds)} (apart from the table's {list(spec.seeds)}). {trained}. "
+            f"Chosen: the highest mean (ties: the smaller rate); the table's config entry: "
+            f"`{toml_line}`."
+            + (
+                ""
+                if finetuning
+                else " Full fine-tuning is selected on its own (`--methods full-finetune`)."
+            )
         ),
         rows=rows,
         columns=[
@@ -259,7 +315,9 @@ def select_text_lr(
             ("chosen", "chosen"),
         ],
         extra={
-            "backend": "plaintext (torch; the protocol's training rule, no encryption)",
+            "backend": "plaintext (torch; the protocol's training rule, no encryption)"
+            if not finetuning
+            else "plaintext (torch; FedAvg of the whole student, no encryption)",
             "chosen": chosen,
             "config_entry": toml_line,
             "grid": list(grid),

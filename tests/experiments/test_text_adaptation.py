@@ -281,6 +281,8 @@ def test_cells_of_a_student_with_other_weights_are_never_mixed_into_a_table(
     run_text_table(replace(spec, seeds=(0,)), results_dir=tmp_path / "r", **options)
     cell = json.loads(next((tmp_path / "cells" / "text").glob("*.json")).read_text())
     assert cell["student_weights"] == weights_digest(student)
+    results = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())
+    assert results["students"]["stdlib"]["weights_digest"] == weights_digest(student)
     # the same settings distilled again elsewhere: the kept student's name, other weights
     with torch.no_grad():
         next(student.parameters()).add_(1e-3)

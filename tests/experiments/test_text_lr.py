@@ -138,11 +138,59 @@ def test_selection_never_mixes_cells_of_a_student_with_other_weights(tmp_path, m
     assert len(list((tmp_path / "cells").rglob("*.json"))) == 1
 
 
-def test_selection_refuses_full_finetuning_and_bad_grids(tmp_path) -> None:
+def test_full_finetuning_is_selected_on_its_own_grid_and_held_out_texts(
+    tmp_path, monkeypatch
+) -> None:
+    _patched(monkeypatch)
+
+    def rows(texts):
+        return {tuple(row) for row in texts.input_ids.tolist()}
+
+    test_rows = rows(tiny_splits().test)
+    finetune = text_lr.finetune_text
+    seen: list[tuple[float, int]] = []
+
+    def recording(student, pool, held_out, parts, config, *, lr, **kwargs):
+        # evaluated on pool texts the clients hold out, never on the test texts
+        assert rows(held_out) <= rows(pool) and not rows(held_out) & test_rows
+        assert sum(len(p) for p in parts) + len(held_out) == len(pool)  # disjoint, all the pool
+        seen.append((lr, len(held_out)))
+        return finetune(student, pool, held_out, parts, config, lr=lr, **kwargs)
+
+    monkeypatch.setattr(text_lr, "finetune_text", recording)
+    monkeypatch.setattr(text_lr, "train_adapter", None)  # full fine-tuning trains no adapter
+    spec = replace(load_table("text", rounds=2), settings=(SETTING,))
+    chosen = select_text_lr(
+        spec,
+        student_dir=tmp_path / "s",
+        workdir=tmp_path / "cells",
+        results_dir=tmp_path / "r",
+        seeds=(7,),
+        methods=("full-finetune",),
+        log=lambda _line: None,
+    )
+    assert [rate for rate, _ in seen] == list(text_lr.FINETUNE_LR_GRID)
+    report = json.loads((tmp_path / "r" / "text_lr_selection_full_finetune.json").read_text())
+    assert not (tmp_path / "r" / "text_lr_selection.json").exists()  # the adapters' stays
+    assert set(chosen) == {"full-finetune"} and report["chosen"] == chosen
+    assert [row["lr"] for row in report["rows"]] == list(text_lr.FINETUNE_LR_GRID)
+    assert all(cell["method"] == "full-finetune" for cell in report["cells"])
+    # the table's whole entry: the adapters' rates it sets, full fine-tuning's chosen here
+    rate = chosen["full-finetune"]
+    assert report["config_entry"] == (
+        f'lr = {{ "linear-probe" = {spec.lr_of("linear-probe"):g}, '
+        f'"ours" = {spec.lr_of("ours"):g}, "full-finetune" = {rate:g} }}'
+    )
+    assert "whole minilm student" in report["description"]
+
+
+def test_selection_refuses_mixed_methods_and_bad_grids(tmp_path) -> None:
     spec = replace(load_table("text", rounds=3), settings=(SETTING,))
     options = {"student_dir": tmp_path, "workdir": tmp_path, "results_dir": tmp_path}
-    with pytest.raises(ConfigError, match="not \\['full-finetune'\\]"):
+    with pytest.raises(ConfigError, match="full fine-tuning's rate on its own"):
         select_text_lr(spec, methods=("ours", "full-finetune"), **options)
+    with pytest.raises(ConfigError, match="not \\['boosting'\\]"):
+        select_text_lr(spec, methods=("boosting",), **options)
     with pytest.raises(ConfigError, match="rates > 0"):
         select_text_lr(spec, grid=(0.05, -1.0), **options)
     with pytest.raises(ConfigError, match="needs a method"):
@@ -217,6 +265,11 @@ def test_the_text_tables_rates_are_the_committed_selections_choice() -> None:
             assert "lr" not in config[table], f"{table} sets rates no selection chose"
             continue
         chosen = json.loads(path.read_text())["chosen"]
+        finetuning = RESULTS / f"{name}_full_finetune.json"
+        if finetuning.exists():
+            chosen |= json.loads(finetuning.read_text())["chosen"]
+        else:
+            assert "full-finetune" not in config[table].get("lr", {}), f"{table}: unchosen rate"
         assert config[table].get("lr") == chosen, f"paper.toml [{table}] lr != {path.name}"
 
 
@@ -234,6 +287,8 @@ def test_the_command_selects_with_its_own_seeds_and_refuses_other_modes(monkeypa
     assert seen[1][1]["seeds"] == [5] and seen[1][0].seeds == (0, 1, 2)
     assert main(["paper-text", "--select-lr", "--protocol"]) != 0
     assert main(["paper-text", "--select-lr", "--methods", "ours"]) == 0
-    assert list(seen[2][1]["methods"]) == ["ours"]
+    assert list(seen[2][1]["methods"]) == ["ours"] and seen[2][1]["grid"] is None
+    assert main(["paper-text", "--select-lr", "--methods", "full-finetune"]) == 0
+    assert list(seen[3][1]["methods"]) == ["full-finetune"]
     assert main(["paper-text", "--lr-grid", "0.1"]) != 0
-    assert len(seen) == 3
+    assert len(seen) == 4
