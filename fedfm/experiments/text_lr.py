@@ -19,6 +19,7 @@ cells train the whole student (about 10-30 minutes each here with K = 5), so its
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -273,7 +274,11 @@ def select_text_lr(
                     "validation_balanced_accuracy_mean": mean,
                     "validation_balanced_accuracy_std": std,
                     "cells": len(values),
-                    "final_train_loss_mean": statistics.fmean(loss[-1] for loss in losses),
+                    "final_train_loss_mean": statistics.fmean(
+                        # a diverged cell's NaN loss is kept in its file as null
+                        math.nan if loss[-1] is None else loss[-1]
+                        for loss in losses
+                    ),
                     "chosen": "yes" if chosen[method] == rate else "",
                 }
             )

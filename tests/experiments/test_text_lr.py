@@ -184,6 +184,26 @@ def test_full_finetuning_is_selected_on_its_own_grid_and_held_out_texts(
     assert "whole minilm student" in report["description"]
 
 
+def test_a_diverged_rate_is_read_back_as_it_was_written(tmp_path, monkeypatch) -> None:
+    _patched(monkeypatch)
+    spec = replace(load_table("text", rounds=2), settings=(SETTING,))
+    options = {
+        "student_dir": tmp_path / "s", "workdir": tmp_path / "cells", "grid": (0.5, 1e30),
+        "seeds": (7,), "methods": ("ours",), "log": lambda _line: None,
+    }  # fmt: skip
+    select_text_lr(spec, results_dir=tmp_path / "r", **options)
+    first = json.loads((tmp_path / "r" / "text_lr_selection.json").read_text())
+    assert first["rows"][1]["final_train_loss_mean"] is None  # NaN: the rate diverged
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a finished selection cell ran again")
+
+    monkeypatch.setattr(text_lr, "train_adapter", refuse)
+    select_text_lr(spec, results_dir=tmp_path / "r2", **options)  # its NaN loss is a null now
+    again = json.loads((tmp_path / "r2" / "text_lr_selection.json").read_text())
+    assert again["rows"] == first["rows"] and again["chosen"] == {"ours": 0.5}
+
+
 def test_selection_refuses_mixed_methods_and_bad_grids(tmp_path) -> None:
     spec = replace(load_table("text", rounds=3), settings=(SETTING,))
     options = {"student_dir": tmp_path, "workdir": tmp_path, "results_dir": tmp_path}
