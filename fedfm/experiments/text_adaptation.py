@@ -21,7 +21,8 @@ Methods, each on the same clients, the same seeded batch draws and the same sche
     The same with rank 0: the head alone on the last block's pooled output.
 ``full_finetune``
     Plaintext FedAvg of the whole student and a fresh head, one SGD step with momentum per batch
-    (lr 0.0025, the paper's ratio to the adapters' rate, as :mod:`.baselines`).
+    at the table's rate (default 0.0025, the paper's ratio to the adapters' rate, as
+    :mod:`.baselines`; chosen like the others' by :mod:`.text_lr`).
 
 **What runs.** By default ``ours`` and ``linear_probe`` train on the frozen student's block
 outputs computed in plaintext: the same numbers the protocol's ``simulate`` backend hands the

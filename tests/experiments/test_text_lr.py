@@ -96,7 +96,11 @@ def test_selection_runs_the_grid_on_held_out_pool_texts_and_resumes(tmp_path, mo
         assert abs(cell["validation_texts"] - 0.2 * 96) <= 2
     # a rate of 0.001 for 3 rounds barely moves a fresh head; 0.5 learns the separable task
     assert chosen == {"linear-probe": 0.5, "ours": 0.5}
-    assert report["config_entry"] == 'lr = { "linear-probe" = 0.5, "ours" = 0.5 }'
+    # the table's whole entry: the rates chosen here over the rest of what it sets
+    entry = {**spec.lr, "linear-probe": 0.5, "ours": 0.5}
+    assert report["config_entry"] == (
+        "lr = { " + ", ".join(f'"{method}" = {rate:g}' for method, rate in entry.items()) + " }"
+    )
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a finished selection cell ran again")
