@@ -12,7 +12,7 @@ highest mean balanced accuracy on the held-out pool texts wins (ties: the smalle
 checks the two agree), and the table's cells record the rate they ran with.
 
 Full fine-tuning is selected the same way, on its own (``methods=("full-finetune",)``): its
-cells train the whole student (about 10-30 minutes each here with K = 5), so its grid
+cells train the whole student (7 minutes each here with K = 5 on a quiet machine), so its grid
 (:data:`FINETUNE_LR_GRID`, around the paper's ratio's 0.0025) is its own and its results go to
 ``results/text_lr_selection[_<table>]_full_finetune.{json,md}``.
 """
@@ -125,6 +125,7 @@ def select_text_lr(
     ``results/<selection_results_name>.{json,md}``; returns the chosen rate per method.
 
     ``grid`` defaults to :func:`default_grid`; full fine-tuning is selected on its own."""
+    methods = tuple(dict.fromkeys(methods))  # a method named twice runs once
     if not methods:
         raise ConfigError(
             f"learning-rate selection needs a method of {list(SELECTABLE_METHODS)} or "

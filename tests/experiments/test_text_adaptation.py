@@ -269,11 +269,7 @@ def test_cells_of_a_student_with_other_weights_are_never_mixed_into_a_table(
     student, splits = tiny_student(), tiny_splits()
     _patched_table(monkeypatch, student, splits)
     spec = replace(
-        load_table(
-            "text",
-            seeds=[0, 1],
-            rounds=2,
-        ),
+        load_table("text", seeds=[0, 1], rounds=2),
         methods=("linear-probe",),
         settings=(Setting("K=2 alpha=1", 2, "dirichlet", 1.0, 16, "stdlib"),),
     )
