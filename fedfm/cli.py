@@ -706,10 +706,10 @@ def _paper_text(args: argparse.Namespace) -> None:
             )
         spec = replace(spec, settings=tuple(s for s in spec.settings if s.label in args.settings))
     if args.select_lr:
-        if args.protocol or args.hide_text_lengths or args.kept_only:
+        if args.protocol or args.kept_only:
             raise ConfigError(
-                "--select-lr runs the client rule on cached block outputs with the texts' own "
-                "masks: drop --protocol, --hide-text-lengths and --kept-only"
+                "--select-lr runs the client rule on cached block outputs: drop --protocol and "
+                "--kept-only"
             )
         select_text_lr(
             spec,
@@ -720,6 +720,7 @@ def _paper_text(args: argparse.Namespace) -> None:
             grid=args.lr_grid,  # None: the methods' own grid
             seeds=args.seeds or SELECTION_SEEDS,
             methods=args.methods or SELECTABLE_METHODS,
+            hide_text_lengths=args.hide_text_lengths,
             command=args.command_line,
             progress=not args.no_progress,
         )
@@ -1232,7 +1233,9 @@ def build_parser() -> argparse.ArgumentParser:
         "texts each client holds out of its pool partition (never the test texts; --seeds "
         "default 100 101): results/text_lr_selection[_<table>].*, the config's lr entry; "
         "with --methods full-finetune, full fine-tuning's (its own grid and "
-        "results/text_lr_selection[_<table>]_full_finetune.*)",
+        "results/text_lr_selection[_<table>]_full_finetune.*); with --hide-text-lengths, "
+        "the rates of data owners that hide lengths (results/text_lr_selection[_<table>]"
+        "_hidden_lengths.*, the config's lr_hidden_lengths entry)",
     )
     paper_text.add_argument(
         "--lr-grid",

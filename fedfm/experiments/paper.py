@@ -108,10 +108,18 @@ class TableSpec:
     figure_setting: str = ""  # draw Figure 3 for this setting ("": no figure)
     # learning rate per method where the table sets one (else :func:`default_lr`)
     lr: Mapping[str, float] = field(default_factory=dict, hash=False)  # a dict: not hashable
+    # the rates of data owners that hide their texts' lengths, where the table sets them
+    # (config key ``lr_hidden_lengths``; chosen with all-real key masks)
+    lr_hidden_lengths: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def lr_of(self, method: str) -> float:
         """The learning rate ``method``'s cells train with."""
         return self.lr.get(method, default_lr(method))
+
+    def hiding_lengths(self) -> TableSpec:
+        """This table as data owners that hide their texts' lengths run it: its
+        ``lr_hidden_lengths`` over its ``lr``."""
+        return replace(self, lr={**self.lr, **self.lr_hidden_lengths}, lr_hidden_lengths={})
 
 
 def default_lr(method: str) -> float:
@@ -152,15 +160,24 @@ def load_table(
             lr_decay=bool(values["lr_decay"]),
             figure_setting=str(values.get("figure3", "")),
             lr={str(method): float(rate) for method, rate in values.get("lr", {}).items()},
+            lr_hidden_lengths={
+                str(method): float(rate)
+                for method, rate in values.get("lr_hidden_lengths", {}).items()
+            },
         )
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ConfigError(f"table {name!r} in {source}: missing or bad key ({error})") from None
     for method in spec.methods:
         check_method(method)
-    for method, rate in spec.lr.items():
+    for method, rate in [*spec.lr.items(), *spec.lr_hidden_lengths.items()]:
         check_method(method)
         if not rate > 0:
             raise ConfigError(f"table {name!r}: the learning rate of {method} must be > 0: {rate}")
+    if "full-finetune" in spec.lr_hidden_lengths:
+        raise ConfigError(
+            f"table {name!r}: lr_hidden_lengths sets full-finetune, which has no server to hide "
+            "lengths from (it applies to ours and linear probing)"
+        )
     if spec.figure_setting and spec.figure_setting not in {s.label for s in settings}:
         raise ConfigError(
             f"table {name!r}: figure3 names no setting of the table: {spec.figure_setting!r}"

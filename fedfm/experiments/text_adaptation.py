@@ -760,6 +760,11 @@ def run_text_table(
             "towards the server); run it with methods linear-probe and ours"
         )
     suffix = "-hidden-lengths" if hide_text_lengths else ""
+    # data owners that hide lengths train at the table's rates for them (chosen so); the cells
+    # they are compared with ran at the table's own
+    shown_spec = spec
+    if hide_text_lengths:
+        spec = spec.hiding_lengths()
     folder = workdir / ((f"{spec.name}-protocol" if protocol else spec.name) + suffix)
     folder.mkdir(parents=True, exist_ok=True)
     name = results_name(spec, protocol=protocol, hide_text_lengths=hide_text_lengths)
@@ -851,7 +856,7 @@ def run_text_table(
     if hide_text_lengths:
         shown_folder = folder.with_name(folder.name.removesuffix(suffix))
         comparison = lengths_shown_comparison(
-            spec,
+            shown_spec,
             by_setting,
             shown_folder,
             student_dir=student_dir,
@@ -888,13 +893,18 @@ def run_text_table(
             "runs the protocol itself)"
         )
     )
+    selected_by = LR_SELECTION_COMMAND
+    if hide_text_lengths and shown_spec.lr_hidden_lengths:
+        selected_by += " --hide-text-lengths"
     if hide_text_lengths:
         runner += (
             "; every data owner hides its texts' lengths (node config hide-text-lengths: "
             "all-real key masks, so the blocks attend to padding and the head pools over all "
             f"{'/'.join(sorted({str(distill_run(s, model).max_tokens) for s in spec.settings}))}"
             " positions). 'with lengths shown': the same methods, seeds and student with the "
-            f"texts' own masks, from the finished cells in {shown_folder} (cost = shown - hidden)"
+            "texts' own masks (learning rates "
+            + ", ".join(f"{m} {shown_spec.lr_of(m):g}" for m in spec.methods)
+            + f"), from the finished cells in {shown_folder} (cost = shown - hidden)"
         )
     write_results(
         results_dir,
@@ -916,7 +926,7 @@ def run_text_table(
             f"round, learning-rate decay x0.1 at 50% and 80%: {spec.lr_decay}; learning rates "
             + ", ".join(f"{method} {spec.lr_of(method):g}" for method in spec.methods)
             + (
-                f" (set by the table, chosen on held-out pool texts: {LR_SELECTION_COMMAND})"
+                f" (set by the table, chosen on held-out pool texts: {selected_by})"
                 if spec.lr
                 else " (the defaults)"
             )

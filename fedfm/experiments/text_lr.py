@@ -15,6 +15,11 @@ Full fine-tuning is selected the same way, on its own (``methods=("full-finetune
 cells train the whole student (7 minutes each here with K = 5 on a quiet machine), so its grid
 (:data:`FINETUNE_LR_GRID`, around the paper's ratio's 0.0025) is its own and its results go to
 ``results/text_lr_selection[_<table>]_full_finetune.{json,md}``.
+
+Data owners that hide their texts' lengths (``hide_text_lengths=True``) train on block outputs
+computed with all-real key masks, a different problem with its own best rates: selected so, the
+choice goes to the table's ``lr_hidden_lengths`` entry and
+``results/text_lr_selection[_<table>]_hidden_lengths.{json,md}``.
 """
 
 from __future__ import annotations
@@ -86,11 +91,18 @@ def validation_split(
     return training, validation
 
 
-def selection_results_name(spec: TableSpec, methods: Sequence[str] = SELECTABLE_METHODS) -> str:
+def selection_results_name(
+    spec: TableSpec,
+    methods: Sequence[str] = SELECTABLE_METHODS,
+    *,
+    hide_text_lengths: bool = False,
+) -> str:
     """``text_lr_selection`` for the config's ``text`` table, ``text_lr_selection_<table>``
     for another (its name without a ``text_`` prefix); ``_full_finetune`` after it for full
-    fine-tuning's own selection."""
+    fine-tuning's own selection, ``_hidden_lengths`` for data owners that hide lengths."""
     name = "text_lr_selection" + table_suffix(spec)
+    if hide_text_lengths:
+        name += "_hidden_lengths"
     return name + ("_full_finetune" if tuple(methods) == FULL_FINETUNE else "")
 
 
@@ -116,15 +128,18 @@ def select_text_lr(
     seeds: Sequence[int] = SELECTION_SEEDS,
     methods: Sequence[str] = SELECTABLE_METHODS,
     fraction: float = VALIDATION_FRACTION,
+    hide_text_lengths: bool = False,
     command: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
     """Every (method, rate, setting, seed) of the grid on held-out pool texts (finished ones
-    read back from ``<workdir>/<table>-lr-selection``), then
+    read back from ``<workdir>/<table>-lr-selection[-hidden-lengths]``), then
     ``results/<selection_results_name>.{json,md}``; returns the chosen rate per method.
 
-    ``grid`` defaults to :func:`default_grid`; full fine-tuning is selected on its own."""
+    ``grid`` defaults to :func:`default_grid`; full fine-tuning is selected on its own.
+    ``hide_text_lengths=True`` selects for data owners that hide their texts' lengths (block
+    outputs with all-real key masks; the table's ``lr_hidden_lengths`` entry)."""
     methods = tuple(dict.fromkeys(methods))  # a method named twice runs once
     if not methods:
         raise ConfigError(
@@ -143,12 +158,19 @@ def select_text_lr(
             f"train the whole student (minutes each) on its own grid {list(FINETUNE_LR_GRID)}, "
             f"not with {sorted(set(methods) - set(FULL_FINETUNE))}"
         )
+    if hide_text_lengths and set(FULL_FINETUNE) & set(methods):
+        raise ConfigError(
+            "hidden text lengths apply to ours and linear probing (the data owners' key masks "
+            "towards the server); full fine-tuning has no server to hide them from"
+        )
     grid = default_grid(methods) if grid is None else grid
     if not grid or any(not rate > 0 for rate in grid):
         raise ConfigError(f"the learning-rate grid needs rates > 0, got {list(grid)}")
     if not seeds:
         raise ConfigError("learning-rate selection needs at least one seed")
-    folder = workdir / f"{spec.name}-lr-selection"
+    folder = workdir / (
+        f"{spec.name}-lr-selection" + ("-hidden-lengths" if hide_text_lengths else "")
+    )
     folder.mkdir(parents=True, exist_ok=True)
     plan = [
         (method, rate, setting, seed)
@@ -175,6 +197,7 @@ def select_text_lr(
             kept is not None
             and kept.get("student") == student_file
             and kept.get("validation_fraction") == fraction
+            and kept.get("hide_text_lengths", False) == hide_text_lengths
         ):
             cells.append(kept)
             log(f"{where}: done before, read from {path}")
@@ -194,7 +217,11 @@ def select_text_lr(
         splits = text_splits(run)
         started = time.perf_counter()
         # full fine-tuning trains the blocks themselves: no frozen block outputs to cache
-        features = None if finetuning else block_features(student, splits.pool)
+        features = (
+            None
+            if finetuning
+            else block_features(student, splits.pool, hide_text_lengths=hide_text_lengths)
+        )
         loaded[source] = (student, splits, features, len(splits.classes))
         if features is not None:
             log(
@@ -241,6 +268,7 @@ def select_text_lr(
             "lr_decay": spec.lr_decay,
             "lr": rate,
             "validation_fraction": fraction,
+            "hide_text_lengths": hide_text_lengths,
             "training_texts": int(sum(len(part) for part in training)),
             "validation_texts": len(validation),
             "validation_balanced_accuracy": result["test_balanced_accuracy"],
@@ -283,16 +311,26 @@ def select_text_lr(
                     "chosen": "yes" if chosen[method] == rate else "",
                 }
             )
-    name = selection_results_name(spec, methods)
+    name = selection_results_name(spec, methods, hide_text_lengths=hide_text_lengths)
     # the table's whole entry: the rates chosen here over what it sets for the other methods
-    entry = {**spec.lr, **chosen}
-    toml_line = "lr = { " + ", ".join(f'"{m}" = {rate:g}' for m, rate in entry.items()) + " }"
+    key, entry = (
+        ("lr_hidden_lengths", {**spec.lr_hidden_lengths, **chosen})
+        if hide_text_lengths
+        else ("lr", {**spec.lr, **chosen})
+    )
+    toml_line = f"{key} = {{ " + ", ".join(f'"{m}" = {r:g}' for m, r in entry.items()) + " }"
     trained = (
         f"Plaintext FedAvg of the whole {model} student with a fresh head (full fine-tuning), "
         "as `fedfm paper-text` trains it"
         if finetuning
         else f"The protocol's client rule on the frozen {model} student's block outputs in "
         "plaintext, as `fedfm paper-text` trains"
+        + (
+            ", every data owner hiding its texts' lengths (all-real key masks, as "
+            "`fedfm paper-text --hide-text-lengths` trains)"
+            if hide_text_lengths
+            else ""
+        )
     )
     write_results(
         results_dir,
@@ -329,6 +367,7 @@ def select_text_lr(
             "grid": list(grid),
             "seeds": list(seeds),
             "validation_fraction": fraction,
+            "hide_text_lengths": hide_text_lengths,
             "table": spec.name,
             "settings": [asdict(s) for s in spec.settings],
             "rounds": spec.rounds,
@@ -337,8 +376,9 @@ def select_text_lr(
         },
         command=command,
     )
+    table = spec.hiding_lengths() if hide_text_lengths else spec
     log(
         f"[fedfm] chosen: {toml_line} (results/{name}.md); the table {spec.name!r} sets "
-        + ", ".join(f"{m} {spec.lr_of(m):g}" for m in methods)
+        + ", ".join(f"{m} {table.lr_of(m):g}" for m in methods)
     )
     return chosen

@@ -221,6 +221,77 @@ def test_selection_refuses_mixed_methods_and_bad_grids(tmp_path) -> None:
         select_text_lr(spec, methods=(), **options)
 
 
+def test_hidden_lengths_get_their_own_selection_and_their_rates_reach_hidden_cells(
+    tmp_path, monkeypatch
+) -> None:
+    _patched(monkeypatch)
+    masks: list[bool] = []
+    features = text_lr.block_features
+
+    def recording(model, texts, **kwargs):
+        masks.append(kwargs.get("hide_text_lengths", False))
+        return features(model, texts, **kwargs)
+
+    monkeypatch.setattr(text_lr, "block_features", recording)
+    spec = replace(load_table("text", seeds=[0], rounds=2), settings=(SETTING,))
+    options = {
+        "student_dir": tmp_path / "s", "workdir": tmp_path / "cells", "grid": (0.001, 0.5),
+        "seeds": (7,), "methods": ("linear-probe",), "log": lambda _line: None,
+    }  # fmt: skip
+    chosen = select_text_lr(spec, results_dir=tmp_path / "r", hide_text_lengths=True, **options)
+    assert masks == [True]  # all-real key masks, as such a data owner uploads them
+    assert not (tmp_path / "r" / "text_lr_selection.json").exists()  # the shown selection stays
+    report = json.loads((tmp_path / "r" / "text_lr_selection_hidden_lengths.json").read_text())
+    assert report["hide_text_lengths"] and report["chosen"] == chosen
+    assert all(cell["hide_text_lengths"] for cell in report["cells"])
+    assert (
+        report["config_entry"]
+        == f'lr_hidden_lengths = {{ "linear-probe" = {chosen["linear-probe"]:g} }}'
+    )
+    assert len(list((tmp_path / "cells" / "text-lr-selection-hidden-lengths").glob("*.json"))) == 2
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a selection cell ran")
+
+    monkeypatch.setattr(text_lr, "train_adapter", refuse)
+    assert (
+        select_text_lr(spec, results_dir=tmp_path / "r", hide_text_lengths=True, **options)
+        == chosen
+    )
+    with pytest.raises(AssertionError, match="cell ran"):  # lengths shown: cells of their own
+        select_text_lr(spec, results_dir=tmp_path / "r", **options)
+    with pytest.raises(ConfigError, match="no server to hide them from"):
+        select_text_lr(spec, results_dir=tmp_path / "r", hide_text_lengths=True,
+                       **{**options, "methods": ("full-finetune",)})  # fmt: skip
+
+    # the table: hidden cells train at the hidden rate, compared with shown cells at theirs
+    used: list[float] = []
+    train = text_adaptation.train_adapter
+
+    def training(pool, test, parts, config, **kwargs):
+        used.append(config.lr)
+        return train(pool, test, parts, config, **kwargs)
+
+    monkeypatch.setattr(text_adaptation, "train_adapter", training)
+    table = replace(
+        spec,
+        methods=("linear-probe",),
+        lr={"linear-probe": 0.3},
+        lr_hidden_lengths={"linear-probe": 0.02},
+    )
+    cells = {"student_dir": tmp_path / "s", "workdir": tmp_path / "t", "log": lambda _line: None}
+    run_text_table(table, results_dir=tmp_path / "r", **cells)
+    run_text_table(table, results_dir=tmp_path / "r", hide_text_lengths=True, **cells)
+    assert used == [0.3, 0.02]
+    hidden = json.loads((tmp_path / "r" / "text_adaptation_hidden_lengths.json").read_text())
+    assert [cell["lr"] for cell in hidden["cells"]] == [0.02]
+    assert hidden["lengths_shown_comparison"][SETTING.label]["linear_probe"]["seeds"] == [0]
+    assert "--select-lr --hide-text-lengths" in hidden["description"]
+    assert "texts' own masks (learning rates linear-probe 0.3)" in hidden["description"]
+    run_text_table(table, results_dir=tmp_path / "r", hide_text_lengths=True, **cells)
+    assert used == [0.3, 0.02]  # read back at its own rate: nothing runs again
+
+
 def test_a_tables_rates_reach_its_cells_and_other_rates_run_again(tmp_path, monkeypatch) -> None:
     _patched(monkeypatch)
     spec = replace(
@@ -278,6 +349,16 @@ def test_the_config_reads_rates_and_refuses_bad_ones(tmp_path) -> None:
     config.write_text(f'{base}lr = {{ ours = "fast" }}\n')
     with pytest.raises(ConfigError, match="missing or bad key"):
         load_table("t", config)
+    config.write_text(f"{base}lr = {{ ours = 0.02 }}\nlr_hidden_lengths = {{ ours = 0.005 }}\n")
+    spec = load_table("t", config)
+    assert spec.lr_of("ours") == 0.02 and spec.hiding_lengths().lr_of("ours") == 0.005
+    assert spec.hiding_lengths().lr_of("linear-probe") == default_lr("linear-probe")
+    config.write_text(f'{base}lr_hidden_lengths = {{ "full-finetune" = 0.01 }}\n')
+    with pytest.raises(ConfigError, match="no server to hide lengths from"):
+        load_table("t", config)
+    config.write_text(f"{base}lr_hidden_lengths = {{ ours = 0 }}\n")
+    with pytest.raises(ConfigError, match="learning rate of ours must be > 0"):
+        load_table("t", config)
 
 
 def test_the_text_tables_rates_are_the_committed_selections_choice() -> None:
@@ -295,6 +376,9 @@ def test_the_text_tables_rates_are_the_committed_selections_choice() -> None:
         else:
             assert "full-finetune" not in config[table].get("lr", {}), f"{table}: unchosen rate"
         assert config[table].get("lr") == chosen, f"paper.toml [{table}] lr != {path.name}"
+        hidden = RESULTS / f"{name}_hidden_lengths.json"
+        expected = json.loads(hidden.read_text())["chosen"] if hidden.exists() else None
+        assert config[table].get("lr_hidden_lengths") == expected, f"[{table}] lr_hidden_lengths"
 
 
 def test_the_command_selects_with_its_own_seeds_and_refuses_other_modes(monkeypatch, tmp_path):
@@ -314,5 +398,8 @@ def test_the_command_selects_with_its_own_seeds_and_refuses_other_modes(monkeypa
     assert list(seen[2][1]["methods"]) == ["ours"] and seen[2][1]["grid"] is None
     assert main(["paper-text", "--select-lr", "--methods", "full-finetune"]) == 0
     assert list(seen[3][1]["methods"]) == ["full-finetune"]
+    assert main(["paper-text", "--select-lr", "--hide-text-lengths"]) == 0
+    assert seen[4][1]["hide_text_lengths"] and not seen[0][1]["hide_text_lengths"]
     assert main(["paper-text", "--lr-grid", "0.1"]) != 0
-    assert len(seen) == 4
+    assert main(["paper-text", "--select-lr", "--kept-only"]) != 0
+    assert len(seen) == 5
