@@ -152,6 +152,7 @@ def block_features(
 class _History:
     """A cell's per-round test balanced accuracy, training loss and clients trained."""
 
+    evaluated_on: str = "test"  # what the progress lines call the evaluation texts
     accuracy: list[float] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     trained: list[int] = field(default_factory=list)
@@ -164,7 +165,7 @@ class _History:
     def line(self, server_round: int, rounds: int) -> str:
         return (
             f"[fedfm]   round {server_round}/{rounds}: train loss {self.loss[-1]:.4f}, "
-            f"test balanced accuracy {self.accuracy[-1]:.4f}"
+            f"{self.evaluated_on} balanced accuracy {self.accuracy[-1]:.4f}"
         )
 
     def record(self, model: nn.Module) -> dict[str, Any]:
@@ -212,9 +213,11 @@ def train_adapter(
     num_classes: int,
     seed: int,
     log: Callable[[str], None],
+    evaluated_on: str = "test",
 ) -> dict[str, Any]:
     """``ours`` (``config.rank`` > 0) or linear probing (rank 0) with the protocol's client rule;
-    the per-round test balanced accuracy and the final one."""
+    the per-round balanced accuracy on ``test`` (progress lines call it ``evaluated_on``) and
+    the final one."""
     num_blocks, dim = pool.blocks.shape[1], pool.blocks.shape[3]
     torch.manual_seed(seed)
     model = SideAdapterHead(
@@ -229,7 +232,7 @@ def train_adapter(
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     velocities: dict[int, list[torch.Tensor]] = {}
     rng = np.random.default_rng(seed)
-    history = _History()
+    history = _History(evaluated_on)
 
     def logits_of(features: TextFeatures, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, key_mask, labels = features.rows(index)
@@ -390,6 +393,7 @@ def finetune_text(
     lr: float = DEFAULT_FINETUNE_LR,
     momentum: float = 0.9,
     log: Callable[[str], None],
+    evaluated_on: str = "test",
 ) -> dict[str, Any]:
     """Plaintext FedAvg of a copy of ``student`` with a fresh (seeded) head: one SGD step with
     momentum per batch, on the texts :func:`train_adapter` draws for the same seed (each client's
@@ -401,7 +405,7 @@ def finetune_text(
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     velocities: dict[int, list[torch.Tensor]] = {}
     rng = np.random.default_rng(seed)
-    history = _History()
+    history = _History(evaluated_on)
     for server_round in range(1, config.rounds + 1):
         states, weights, round_losses = [], [], []
         for client, batches in round_draws(rng, parts, config.batch_size, config.batches_per_round):

@@ -63,6 +63,7 @@ SELECTABLE_METHODS: tuple[str, ...] = ("linear-probe", "ours")
 # momentum on a whole encoder wants far smaller steps than a fresh adapter).
 FINETUNE_LR_GRID: tuple[float, ...] = (0.0025, 0.01, 0.04)
 FULL_FINETUNE = ("full-finetune",)
+HELD_OUT = "held-out pool"  # what the cells' progress lines evaluate on
 
 
 def default_grid(methods: Sequence[str]) -> tuple[float, ...]:
@@ -249,6 +250,7 @@ def select_text_lr(
                 seed=seed,
                 lr=rate,
                 log=quiet,
+                evaluated_on=HELD_OUT,
             )
         else:
             result = train_adapter(
@@ -259,6 +261,7 @@ def select_text_lr(
                 num_classes=num_classes,
                 seed=seed,
                 log=quiet,
+                evaluated_on=HELD_OUT,
             )
         record = {
             "method": method,

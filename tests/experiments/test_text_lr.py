@@ -74,6 +74,7 @@ def _patched(monkeypatch) -> list[int]:
 def test_selection_runs_the_grid_on_held_out_pool_texts_and_resumes(tmp_path, monkeypatch) -> None:
     encoded = _patched(monkeypatch)
     spec = replace(load_table("text", rounds=3), settings=(SETTING,))
+    progress: list[str] = []
     chosen = select_text_lr(
         spec,
         student_dir=tmp_path / "s",
@@ -81,9 +82,11 @@ def test_selection_runs_the_grid_on_held_out_pool_texts_and_resumes(tmp_path, mo
         results_dir=tmp_path / "r",
         grid=(0.001, 0.5),
         seeds=(7, 8),
-        log=lambda _line: None,
+        log=progress.append,
     )
     assert encoded == [96]  # the pool once; never the test texts
+    rounds = [line for line in progress if "round 3/3" in line]
+    assert len(rounds) == 8 and all("held-out pool balanced accuracy" in line for line in rounds)
     report = json.loads((tmp_path / "r" / "text_lr_selection.json").read_text())
     assert len(report["cells"]) == 2 * 2 * 2 and len(report["rows"]) == 4
     for method in ("linear-probe", "ours"):
