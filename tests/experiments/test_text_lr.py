@@ -247,9 +247,10 @@ def test_hidden_lengths_get_their_own_selection_and_their_rates_reach_hidden_cel
     report = json.loads((tmp_path / "r" / "text_lr_selection_hidden_lengths.json").read_text())
     assert report["hide_text_lengths"] and report["chosen"] == chosen
     assert all(cell["hide_text_lengths"] for cell in report["cells"])
-    assert (
-        report["config_entry"]
-        == f'lr_hidden_lengths = {{ "linear-probe" = {chosen["linear-probe"]:g} }}'
+    # the table's whole entry: the rate chosen here over what it sets for the other method
+    entry = {**spec.lr_hidden_lengths, **chosen}
+    assert report["config_entry"] == (
+        "lr_hidden_lengths = { " + ", ".join(f'"{m}" = {r:g}' for m, r in entry.items()) + " }"
     )
     assert len(list((tmp_path / "cells" / "text-lr-selection-hidden-lengths").glob("*.json"))) == 2
 
