@@ -71,6 +71,19 @@ def _patched(monkeypatch) -> list[int]:
     return encoded
 
 
+def _rates_of_table_cells(monkeypatch) -> list[float]:
+    """The learning rate of every table cell that trains from now on, in order."""
+    used: list[float] = []
+    train = text_adaptation.train_adapter
+
+    def recording(pool, test, parts, config, **kwargs):
+        used.append(config.lr)
+        return train(pool, test, parts, config, **kwargs)
+
+    monkeypatch.setattr(text_adaptation, "train_adapter", recording)
+    return used
+
+
 def test_selection_runs_the_grid_on_held_out_pool_texts_and_resumes(tmp_path, monkeypatch) -> None:
     encoded = _patched(monkeypatch)
     spec = replace(load_table("text", rounds=3), settings=(SETTING,))
@@ -269,14 +282,7 @@ def test_hidden_lengths_get_their_own_selection_and_their_rates_reach_hidden_cel
                        **{**options, "methods": ("full-finetune",)})  # fmt: skip
 
     # the table: hidden cells train at the hidden rate, compared with shown cells at theirs
-    used: list[float] = []
-    train = text_adaptation.train_adapter
-
-    def training(pool, test, parts, config, **kwargs):
-        used.append(config.lr)
-        return train(pool, test, parts, config, **kwargs)
-
-    monkeypatch.setattr(text_adaptation, "train_adapter", training)
+    used = _rates_of_table_cells(monkeypatch)
     table = replace(
         spec,
         methods=("linear-probe",),
@@ -304,14 +310,7 @@ def test_a_tables_rates_reach_its_cells_and_other_rates_run_again(tmp_path, monk
         settings=(SETTING,),
         lr={},
     )
-    used: list[float] = []
-    train = text_adaptation.train_adapter
-
-    def recording(pool, test, parts, config, **kwargs):
-        used.append(config.lr)
-        return train(pool, test, parts, config, **kwargs)
-
-    monkeypatch.setattr(text_adaptation, "train_adapter", recording)
+    used = _rates_of_table_cells(monkeypatch)
     options = {"student_dir": tmp_path / "s", "workdir": tmp_path / "cells", "log": print}
     run_text_table(spec, results_dir=tmp_path / "r", **options)
     assert used == [default_lr("linear-probe"), default_lr("ours")]
@@ -344,25 +343,21 @@ def test_the_config_reads_rates_and_refuses_bad_ones(tmp_path) -> None:
     config.write_text(f"{base}lr = {{ ours = 0.02 }}\n")
     spec = load_table("t", config)
     assert spec.lr_of("ours") == 0.02 and spec.lr_of("linear-probe") == default_lr("ours")
-    config.write_text(f"{base}lr = {{ ours = -0.1 }}\n")
-    with pytest.raises(ConfigError, match="learning rate of ours must be > 0"):
-        load_table("t", config)
-    config.write_text(f"{base}lr = {{ boosting = 0.1 }}\n")
-    with pytest.raises(ConfigError, match="boosting"):
-        load_table("t", config)
-    config.write_text(f'{base}lr = {{ ours = "fast" }}\n')
-    with pytest.raises(ConfigError, match="missing or bad key"):
-        load_table("t", config)
     config.write_text(f"{base}lr = {{ ours = 0.02 }}\nlr_hidden_lengths = {{ ours = 0.005 }}\n")
     spec = load_table("t", config)
     assert spec.lr_of("ours") == 0.02 and spec.hiding_lengths().lr_of("ours") == 0.005
     assert spec.hiding_lengths().lr_of("linear-probe") == default_lr("linear-probe")
-    config.write_text(f'{base}lr_hidden_lengths = {{ "full-finetune" = 0.01 }}\n')
-    with pytest.raises(ConfigError, match="no server to hide lengths from"):
-        load_table("t", config)
-    config.write_text(f"{base}lr_hidden_lengths = {{ ours = 0 }}\n")
-    with pytest.raises(ConfigError, match="learning rate of ours must be > 0"):
-        load_table("t", config)
+    refused = {
+        "lr = { ours = -0.1 }": "learning rate of ours must be > 0",
+        "lr = { boosting = 0.1 }": "boosting",
+        'lr = { ours = "fast" }': "missing or bad key",
+        'lr_hidden_lengths = { "full-finetune" = 0.01 }': "no server to hide lengths from",
+        "lr_hidden_lengths = { ours = 0 }": "learning rate of ours must be > 0",
+    }
+    for line, message in refused.items():
+        config.write_text(f"{base}{line}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_table("t", config)
 
 
 def test_the_text_tables_rates_are_the_committed_selections_choice() -> None:
