@@ -437,7 +437,29 @@ def finetune_text(
             len(states),
         )
         log(history.line(server_round, config.rounds))
+        if not all(torch.isfinite(value).all() for value in global_state.values()):
+            # NaN or inf weights never train back: the later rounds are not run (None in the
+            # per-round lists), and the cell's accuracy is the diverged model's
+            log(
+                f"[fedfm]   diverged in round {server_round}: the aggregated weights are not "
+                f"finite; rounds {server_round + 1}-{config.rounds} are not run"
+            )
+            return _stopped(history.record(model), config.rounds)
     return history.record(model)
+
+
+def _stopped(record: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """A cell ``record`` that diverged and stopped: its per-round accuracy and loss padded with
+    ``None`` to ``rounds`` (curves stay aligned by round); ``clients_trained`` lists the rounds
+    that ran."""
+    ran = len(record["train_loss_per_round"])
+    missing = [None] * (rounds - ran)
+    return {
+        **record,
+        "test_balanced_accuracy_per_round": record["test_balanced_accuracy_per_round"] + missing,
+        "train_loss_per_round": record["train_loss_per_round"] + missing,
+        "diverged_at_round": ran,
+    }
 
 
 def distill_run(setting: Setting, model: str = "minilm") -> TextDistillRun:

@@ -204,6 +204,28 @@ def test_full_finetuning_is_selected_on_its_own_grid_and_held_out_texts(
     assert "whole minilm student" in report["description"]
 
 
+def test_full_finetuning_that_diverges_stops_and_says_so(tmp_path, monkeypatch) -> None:
+    _patched(monkeypatch)
+    spec = replace(load_table("text", rounds=6), settings=(SETTING,))
+    lines: list[str] = []
+    select_text_lr(
+        spec, student_dir=tmp_path / "s", workdir=tmp_path / "cells",
+        results_dir=tmp_path / "r", grid=(1e30,), seeds=(7,), methods=("full-finetune",),
+        log=lines.append,
+    )  # fmt: skip
+    (cell,) = json.loads((tmp_path / "r" / "text_lr_selection_full_finetune.json").read_text())[
+        "cells"
+    ]
+    stopped = cell["diverged_at_round"]
+    assert 1 <= stopped < 6 and any(f"diverged in round {stopped}" in line for line in lines)
+    for key in ("validation_balanced_accuracy_per_round", "train_loss_per_round"):
+        assert len(cell[key]) == 6 and cell[key][stopped:] == [None] * (6 - stopped)
+    assert not any(f"round {stopped + 1}/6" in line for line in lines)  # the rest did not run
+    # the cell's accuracy is the diverged model's
+    final = cell["validation_balanced_accuracy_per_round"][stopped - 1]
+    assert cell["validation_balanced_accuracy"] == final
+
+
 def test_a_diverged_rate_is_read_back_as_it_was_written(tmp_path, monkeypatch) -> None:
     _patched(monkeypatch)
     spec = replace(load_table("text", rounds=2), settings=(SETTING,))
