@@ -111,10 +111,17 @@ class TableSpec:
     # the rates of data owners that hide their texts' lengths, where the table sets them
     # (config key ``lr_hidden_lengths``; chosen with all-real key masks)
     lr_hidden_lengths: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # full fine-tuning's gradients clipped to this total norm before each step, where the table
+    # sets one (config key ``finetune_max_grad_norm``; the adapters never clip)
+    finetune_max_grad_norm: float | None = None
 
     def lr_of(self, method: str) -> float:
         """The learning rate ``method``'s cells train with."""
         return self.lr.get(method, default_lr(method))
+
+    def max_grad_norm_of(self, method: str) -> float | None:
+        """The total gradient norm ``method``'s steps are clipped to (``None``: not clipped)."""
+        return self.finetune_max_grad_norm if method == "full-finetune" else None
 
     def hiding_lengths(self) -> TableSpec:
         """This table as data owners that hide their texts' lengths run it: its
@@ -164,6 +171,11 @@ def load_table(
                 str(method): float(rate)
                 for method, rate in values.get("lr_hidden_lengths", {}).items()
             },
+            finetune_max_grad_norm=(
+                float(values["finetune_max_grad_norm"])
+                if "finetune_max_grad_norm" in values
+                else None
+            ),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ConfigError(f"table {name!r} in {source}: missing or bad key ({error})") from None
@@ -173,6 +185,11 @@ def load_table(
         check_method(method)
         if not rate > 0:
             raise ConfigError(f"table {name!r}: the learning rate of {method} must be > 0: {rate}")
+    if spec.finetune_max_grad_norm is not None and not spec.finetune_max_grad_norm > 0:
+        raise ConfigError(
+            f"table {name!r}: finetune_max_grad_norm must be > 0 (omit it to not clip): "
+            f"{spec.finetune_max_grad_norm}"
+        )
     if "full-finetune" in spec.lr_hidden_lengths:
         raise ConfigError(
             f"table {name!r}: lr_hidden_lengths sets full-finetune, which has no server to hide "
@@ -367,7 +384,14 @@ def kept_cell(path: Path, spec: TableSpec, setting: Setting) -> dict[str, Any] |
         record.get("rounds"),
         record.get("lr_decay"),
         record.get("lr", default_lr(method)),
-    ) == (asdict(setting), spec.rounds, spec.lr_decay, spec.lr_of(method))
+        record.get("max_grad_norm"),
+    ) == (
+        asdict(setting),
+        spec.rounds,
+        spec.lr_decay,
+        spec.lr_of(method),
+        spec.max_grad_norm_of(method),
+    )
     return record if same else None
 
 

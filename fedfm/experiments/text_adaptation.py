@@ -392,12 +392,18 @@ def finetune_text(
     seed: int,
     lr: float = DEFAULT_FINETUNE_LR,
     momentum: float = 0.9,
+    max_grad_norm: float | None = None,
     log: Callable[[str], None],
     evaluated_on: str = "test",
 ) -> dict[str, Any]:
     """Plaintext FedAvg of a copy of ``student`` with a fresh (seeded) head: one SGD step with
     momentum per batch, on the texts :func:`train_adapter` draws for the same seed (each client's
-    round regrouped by length, :func:`_by_length`)."""
+    round regrouped by length, :func:`_by_length`).
+
+    ``max_grad_norm``: each batch's gradient is clipped to this total norm before its step (the
+    record's ``clipped_steps`` counts the steps it changed); ``None`` does not clip."""
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ConfigError(f"max_grad_norm must be > 0 (None: not clipped), not {max_grad_norm}")
     model = copy.deepcopy(student)
     torch.manual_seed(seed)
     model.classifier = nn.Linear(student.hidden_size, pool.num_classes)
@@ -406,6 +412,8 @@ def finetune_text(
     velocities: dict[int, list[torch.Tensor]] = {}
     rng = np.random.default_rng(seed)
     history = _History(evaluated_on)
+    trained_names = [name for name, _ in model.named_parameters()]
+    steps = clipped = 0
     for server_round in range(1, config.rounds + 1):
         states, weights, round_losses = [], [], []
         for client, batches in round_draws(rng, parts, config.batch_size, config.batches_per_round):
@@ -421,6 +429,10 @@ def finetune_text(
                 loss = F.cross_entropy(model(input_ids), pool.labels[selector])
                 model.zero_grad()
                 loss.backward()
+                if max_grad_norm is not None:
+                    norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
+                    clipped += int(norm > max_grad_norm)
+                steps += 1
                 _momentum_step(params, buffers, lr * config.lr_factor(server_round), momentum)
                 round_losses.append(float(loss.detach()))
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -437,15 +449,18 @@ def finetune_text(
             len(states),
         )
         log(history.line(server_round, config.rounds))
-        if not all(torch.isfinite(value).all() for value in global_state.values()):
+        # the weights only: a buffer may hold NaN by design (an approximation not calibrated)
+        if not all(torch.isfinite(global_state[name]).all() for name in trained_names):
             # NaN or inf weights never train back: the later rounds are not run (None in the
             # per-round lists), and the cell's accuracy is the diverged model's
             log(
                 f"[fedfm]   diverged in round {server_round}: the aggregated weights are not "
                 f"finite; rounds {server_round + 1}-{config.rounds} are not run"
             )
-            return _stopped(history.record(model), config.rounds)
-    return history.record(model)
+            return _stopped(
+                {**history.record(model), "steps": steps, "clipped_steps": clipped}, config.rounds
+            )
+    return {**history.record(model), "steps": steps, "clipped_steps": clipped}
 
 
 def _stopped(record: dict[str, Any], rounds: int) -> dict[str, Any]:
@@ -532,6 +547,7 @@ def run_text_cell(
             config,
             seed=seed,
             lr=spec.lr_of(method),
+            max_grad_norm=spec.max_grad_norm_of(method),
             log=log,
         )
     elif protocol:
@@ -558,6 +574,7 @@ def run_text_cell(
         "rounds": spec.rounds,
         "lr_decay": spec.lr_decay,
         "lr": spec.lr_of(method),
+        "max_grad_norm": spec.max_grad_norm_of(method),
         "partition_sizes": [len(part) for part in parts],
         "hide_text_lengths": hide_text_lengths,
         **result,

@@ -249,6 +249,7 @@ def select_text_lr(
                 config,
                 seed=seed,
                 lr=rate,
+                max_grad_norm=cell_spec.max_grad_norm_of(method),
                 log=quiet,
                 evaluated_on=HELD_OUT,
             )
@@ -263,13 +264,14 @@ def select_text_lr(
                 log=quiet,
                 evaluated_on=HELD_OUT,
             )
-        record = {
+        record: dict[str, Any] = {
             "method": method,
             "setting": asdict(setting),
             "seed": seed,
             "rounds": spec.rounds,
             "lr_decay": spec.lr_decay,
             "lr": rate,
+            "max_grad_norm": cell_spec.max_grad_norm_of(method),
             "validation_fraction": fraction,
             "hide_text_lengths": hide_text_lengths,
             "training_texts": int(sum(len(part) for part in training)),
@@ -277,7 +279,9 @@ def select_text_lr(
             "validation_balanced_accuracy": result["test_balanced_accuracy"],
             "validation_balanced_accuracy_per_round": result["test_balanced_accuracy_per_round"],
             "train_loss_per_round": result["train_loss_per_round"],
-            **{k: result[k] for k in ("diverged_at_round",) if k in result},
+            **{
+                k: result[k] for k in ("diverged_at_round", "steps", "clipped_steps") if k in result
+            },
             "student": kept_student_path(distill_run(setting, model), student_dir).name,
             STUDENT_WEIGHTS_KEY: digests[source],
             "seconds": time.perf_counter() - started,

@@ -30,6 +30,7 @@ from fedfm.experiments.paper import Setting, TableSpec, load_table
 from fedfm.experiments.text_adaptation import (
     TextFeatures,
     block_features,
+    finetune_text,
     round_draws,
     run_text_table,
     table_config,
@@ -38,6 +39,7 @@ from fedfm.experiments.text_adaptation import (
 from fedfm.models import fhe_text
 from fedfm.models.fhe_text import to_fhe_text
 from fedfm.protocols.double_blind.adapter import SideAdapterHead
+from fedfm.protocols.double_blind.config import DoubleBlindConfig
 from tests.models.test_fhe_text import PAD, tiny_bert
 
 CLASSES = 3
@@ -521,3 +523,34 @@ def test_distill_text_keep_student_only_keeps_the_adapted_student(monkeypatch, t
     run, folder = calls[0]
     assert folder == tmp_path and run == text_distillation.student_run("m")
     assert not (tmp_path / "text_distillation.json").exists()
+
+
+def test_full_finetuning_clips_each_steps_gradient_to_the_norm_it_is_given() -> None:
+    student, splits = tiny_student(), tiny_splits()
+    parts = [np.arange(0, 48), np.arange(48, 96)]
+    config = replace(DoubleBlindConfig(), rounds=3, batch_size=16, batches_per_round=2)
+    common = {"seed": 0, "lr": 0.1, "log": lambda _line: None}
+    free = finetune_text(student, splits.pool, splits.test, parts, config, **common)
+    held = finetune_text(
+        student, splits.pool, splits.test, parts, config, max_grad_norm=1e-9, **common
+    )
+    assert free["clipped_steps"] == 0 and held["clipped_steps"] == held["steps"] == 12
+    # steps of norm <= lr * 1e-9 leave the fresh model's predictions as they were; the same
+    # texts (one seed) are fitted where the steps are free
+    assert len(set(held["test_balanced_accuracy_per_round"])) == 1
+    assert free["train_loss_per_round"][-1] < held["train_loss_per_round"][-1] - 0.05
+    with pytest.raises(ConfigError, match="max_grad_norm must be > 0"):
+        finetune_text(student, splits.pool, splits.test, parts, config, max_grad_norm=0, **common)
+
+
+def test_a_buffer_left_nan_by_design_is_not_taken_for_divergence() -> None:
+    """The tiny student's approximations are not calibrated (NaN input bounds): its weights,
+    not its buffers, say whether full fine-tuning diverged."""
+    student, splits = tiny_student(), tiny_splits()
+    assert not all(torch.isfinite(value).all() for value in student.state_dict().values())
+    config = replace(DoubleBlindConfig(), rounds=2, batch_size=16, batches_per_round=1)
+    record = finetune_text(
+        student, splits.pool, splits.test, [np.arange(96)], config, seed=0, lr=0.1,
+        log=lambda _line: None,
+    )  # fmt: skip
+    assert "diverged_at_round" not in record and None not in record["train_loss_per_round"]

@@ -369,12 +369,19 @@ def test_the_config_reads_rates_and_refuses_bad_ones(tmp_path) -> None:
     spec = load_table("t", config)
     assert spec.lr_of("ours") == 0.02 and spec.hiding_lengths().lr_of("ours") == 0.005
     assert spec.hiding_lengths().lr_of("linear-probe") == default_lr("linear-probe")
+    assert spec.max_grad_norm_of("full-finetune") is None  # not set: not clipped
+    config.write_text(f"{base}finetune_max_grad_norm = 5\n")
+    spec = load_table("t", config)
+    assert spec.max_grad_norm_of("full-finetune") == 5.0
+    assert spec.max_grad_norm_of("ours") is None  # the adapters never clip
     refused = {
         "lr = { ours = -0.1 }": "learning rate of ours must be > 0",
         "lr = { boosting = 0.1 }": "boosting",
         'lr = { ours = "fast" }': "missing or bad key",
         'lr_hidden_lengths = { "full-finetune" = 0.01 }': "no server to hide lengths from",
         "lr_hidden_lengths = { ours = 0 }": "learning rate of ours must be > 0",
+        "finetune_max_grad_norm = 0": "finetune_max_grad_norm must be > 0",
+        'finetune_max_grad_norm = "low"': "missing or bad key",
     }
     for line, message in refused.items():
         config.write_text(f"{base}{line}\n")
@@ -424,3 +431,27 @@ def test_the_command_selects_with_its_own_seeds_and_refuses_other_modes(monkeypa
     assert main(["paper-text", "--lr-grid", "0.1"]) != 0
     assert main(["paper-text", "--select-lr", "--kept-only"]) != 0
     assert len(seen) == 5
+
+
+def test_clipping_reaches_full_finetuning_cells_and_unclipped_cells_run_again(
+    tmp_path, monkeypatch
+) -> None:
+    _patched(monkeypatch)
+    clipped_to: list[float | None] = []
+    finetune = text_adaptation.finetune_text
+
+    def recording(*args, **kwargs):
+        clipped_to.append(kwargs["max_grad_norm"])
+        return finetune(*args, **kwargs)
+
+    monkeypatch.setattr(text_adaptation, "finetune_text", recording)
+    spec = replace(
+        load_table("text", seeds=[0], rounds=2), methods=("full-finetune",), settings=(SETTING,)
+    )
+    options = {"student_dir": tmp_path / "s", "workdir": tmp_path / "cells", "log": print}
+    for max_grad_norm in (None, 2.0, 2.0):
+        clipping = replace(spec, finetune_max_grad_norm=max_grad_norm)
+        run_text_table(clipping, results_dir=tmp_path / "r", **options)
+    assert clipped_to == [None, 2.0]  # the unclipped cell ran again clipped, then was read back
+    (cell,) = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())["cells"]
+    assert cell["max_grad_norm"] == 2.0 and 0 <= cell["clipped_steps"] <= cell["steps"] > 0
