@@ -612,13 +612,24 @@ def summarize_text(
                 "clients_trained_per_round": statistics.fmean(
                     n for c in done for n in c["clients_trained"]
                 ),
+                "diverged_seeds": [c["seed"] for c in done if "diverged_at_round" in c],
             }
+            if spec.max_grad_norm_of(method) is not None:
+                entry["max_grad_norm"] = spec.max_grad_norm_of(method)
+                # cells written before steps were counted say nothing: left out
+                counted = [c for c in done if c.get("steps")]
+                entry["clipped_steps_fraction"] = (
+                    sum(c["clipped_steps"] for c in counted) / sum(c["steps"] for c in counted)
+                    if counted
+                    else None
+                )
             summary[TEXT_METHODS[method]] = entry
             rows.append(
                 {
                     "method": method,
                     "setting": setting.label,
                     "balanced_accuracy": f"{100 * mean:.2f} ± {100 * std:.2f}",
+                    "gradient_clipped": _clipped_cell(entry),
                     **entry,
                 }
             )
@@ -631,6 +642,15 @@ def summarize_text(
             )
         by_setting[setting.label] = summary
     return rows, by_setting
+
+
+def _clipped_cell(entry: dict[str, Any]) -> str:
+    """A table row's gradient clipping, as the Markdown shows it."""
+    if "max_grad_norm" not in entry:
+        return "-"
+    share = entry["clipped_steps_fraction"]
+    counted = "steps not counted" if share is None else f"{100 * share:.0f}% of steps"
+    return f"norm {entry['max_grad_norm']:g}: {counted}"
 
 
 def lengths_shown_comparison(
@@ -895,6 +915,8 @@ def run_text_table(
         ("lr", "lr"),
         ("clients_trained_per_round", "clients trained / round"),
     ]
+    if any(spec.max_grad_norm_of(method) is not None for method in spec.methods):
+        columns.append(("gradient_clipped", "gradient clipped"))
     comparison: dict[str, dict[str, Any]] = {}
     if hide_text_lengths:
         shown_folder = folder.with_name(folder.name.removesuffix(suffix))
@@ -975,7 +997,13 @@ def run_text_table(
             )
             + f". {runner}; "
             + (
-                "full fine-tuning: plaintext FedAvg of the whole student. "
+                "full fine-tuning: plaintext FedAvg of the whole student"
+                + (
+                    f", each step's gradient clipped to total norm {clip:g} (the JSON's "
+                    "clipped_steps_fraction: the share of steps clipping changed). "
+                    if (clip := spec.max_grad_norm_of("full-finetune")) is not None
+                    else ". "
+                )
                 if "full-finetune" in spec.methods
                 else "full fine-tuning: not run in this table. "
             )

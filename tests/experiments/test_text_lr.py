@@ -453,5 +453,10 @@ def test_clipping_reaches_full_finetuning_cells_and_unclipped_cells_run_again(
         clipping = replace(spec, finetune_max_grad_norm=max_grad_norm)
         run_text_table(clipping, results_dir=tmp_path / "r", **options)
     assert clipped_to == [None, 2.0]  # the unclipped cell ran again clipped, then was read back
-    (cell,) = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())["cells"]
+    report = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())
+    (cell,) = report["cells"]
     assert cell["max_grad_norm"] == 2.0 and 0 <= cell["clipped_steps"] <= cell["steps"] > 0
+    (row,) = report["rows"]  # the table says how often clipping acted
+    assert row["clipped_steps_fraction"] == cell["clipped_steps"] / cell["steps"]
+    assert row["gradient_clipped"].startswith("norm 2: ") and row["diverged_seeds"] == []
+    assert "gradient clipped" in (tmp_path / "r" / "text_adaptation.md").read_text()
