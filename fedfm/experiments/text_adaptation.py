@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -413,7 +414,8 @@ def finetune_text(
     rng = np.random.default_rng(seed)
     history = _History(evaluated_on)
     trained_names = [name for name, _ in model.named_parameters()]
-    steps = clipped = 0
+    norms: list[float] = []  # every step's gradient norm, before clipping
+    clipped = 0
     for server_round in range(1, config.rounds + 1):
         states, weights, round_losses = [], [], []
         for client, batches in round_draws(rng, parts, config.batch_size, config.batches_per_round):
@@ -429,10 +431,10 @@ def finetune_text(
                 loss = F.cross_entropy(model(input_ids), pool.labels[selector])
                 model.zero_grad()
                 loss.backward()
-                if max_grad_norm is not None:
-                    norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
-                    clipped += int(norm > max_grad_norm)
-                steps += 1
+                # the norm before clipping (an infinite bound scales by exactly 1: no clipping)
+                norm = float(nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))
+                norms.append(norm)
+                clipped += int(max_grad_norm is not None and norm > max_grad_norm)
                 _momentum_step(params, buffers, lr * config.lr_factor(server_round), momentum)
                 round_losses.append(float(loss.detach()))
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -457,10 +459,23 @@ def finetune_text(
                 f"[fedfm]   diverged in round {server_round}: the aggregated weights are not "
                 f"finite; rounds {server_round + 1}-{config.rounds} are not run"
             )
-            return _stopped(
-                {**history.record(model), "steps": steps, "clipped_steps": clipped}, config.rounds
-            )
-    return {**history.record(model), "steps": steps, "clipped_steps": clipped}
+            return _stopped({**history.record(model), **_step_norms(norms, clipped)}, config.rounds)
+    return {**history.record(model), **_step_norms(norms, clipped)}
+
+
+def _step_norms(norms: list[float], clipped: int) -> dict[str, Any]:
+    """What a cell records of its steps' gradient norms (before clipping)."""
+    finite = [n for n in norms if math.isfinite(n)]
+    return {
+        "steps": len(norms),
+        "clipped_steps": clipped,
+        "gradient_norm": {
+            "median": statistics.median(finite) if finite else None,
+            "p90": float(np.quantile(finite, 0.9)) if finite else None,
+            "max": max(finite) if finite else None,
+            "not_finite_steps": len(norms) - len(finite),
+        },
+    }
 
 
 def _stopped(record: dict[str, Any], rounds: int) -> dict[str, Any]:
@@ -618,6 +633,9 @@ def summarize_text(
                 entry["max_grad_norm"] = spec.max_grad_norm_of(method)
                 # cells written before steps were counted say nothing: left out
                 counted = [c for c in done if c.get("steps")]
+                entry["gradient_norm_median_per_seed"] = [
+                    c.get("gradient_norm", {}).get("median") for c in done
+                ]
                 entry["clipped_steps_fraction"] = (
                     sum(c["clipped_steps"] for c in counted) / sum(c["steps"] for c in counted)
                     if counted

@@ -280,7 +280,9 @@ def select_text_lr(
             "validation_balanced_accuracy_per_round": result["test_balanced_accuracy_per_round"],
             "train_loss_per_round": result["train_loss_per_round"],
             **{
-                k: result[k] for k in ("diverged_at_round", "steps", "clipped_steps") if k in result
+                k: result[k]
+                for k in ("diverged_at_round", "steps", "clipped_steps", "gradient_norm")
+                if k in result
             },
             "student": kept_student_path(distill_run(setting, model), student_dir).name,
             STUDENT_WEIGHTS_KEY: digests[source],

@@ -535,6 +535,9 @@ def test_full_finetuning_clips_each_steps_gradient_to_the_norm_it_is_given() -> 
         student, splits.pool, splits.test, parts, config, max_grad_norm=1e-9, **common
     )
     assert free["clipped_steps"] == 0 and held["clipped_steps"] == held["steps"] == 12
+    # the norms are recorded before clipping: the held run's are the untrained model's
+    assert held["gradient_norm"]["median"] > 1e-3 and free["gradient_norm"]["max"] > 1e-3
+    assert held["gradient_norm"]["not_finite_steps"] == 0
     # steps of norm <= lr * 1e-9 leave the fresh model's predictions as they were; the same
     # texts (one seed) are fitted where the steps are free
     assert len(set(held["test_balanced_accuracy_per_round"])) == 1

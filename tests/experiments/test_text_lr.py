@@ -456,6 +456,7 @@ def test_clipping_reaches_full_finetuning_cells_and_unclipped_cells_run_again(
     report = json.loads((tmp_path / "r" / "text_adaptation.json").read_text())
     (cell,) = report["cells"]
     assert cell["max_grad_norm"] == 2.0 and 0 <= cell["clipped_steps"] <= cell["steps"] > 0
+    assert cell["gradient_norm"]["max"] >= cell["gradient_norm"]["median"] > 0
     (row,) = report["rows"]  # the table says how often clipping acted
     assert row["clipped_steps_fraction"] == cell["clipped_steps"] / cell["steps"]
     assert row["gradient_clipped"].startswith("norm 2: ") and row["diverged_seeds"] == []
