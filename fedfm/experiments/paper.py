@@ -411,6 +411,12 @@ def run_table(
     ``students`` maps each setting's ``distill_data`` to the student distilled on it; plaintext
     torch runs on ``device`` (the results record it, with peak accelerator memory on a GPU).
     """
+    if spec.finetune_max_grad_norm is not None:
+        raise ConfigError(
+            f"table {spec.name!r} sets finetune_max_grad_norm, which only the text tables' full "
+            "fine-tuning applies (fedfm paper-text); the ViT tables' full fine-tuning does not "
+            "clip: remove the key"
+        )
     target = resolve_device(device)
     reset_peak_memory(target)
     missing = sorted({s.distill_data for s in spec.settings} - set(students))

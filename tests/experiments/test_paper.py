@@ -107,6 +107,11 @@ def test_a_table_without_the_student_it_needs_is_refused(
     spec = replace(spec, settings=(replace(spec.settings[0], distill_data="sample-photos"),))
     with pytest.raises(ConfigError, match=r"needs students distilled on \['sample-photos'\]"):
         run_table(spec, {"aux": student}, splits, workdir=tmp_path, results_dir=tmp_path)
+    # clipping is the text tables' full fine-tuning's: a ViT table that sets it is refused
+    clipping = replace(load_table("tiny", config_file), finetune_max_grad_norm=5.0)
+    with pytest.raises(ConfigError, match="finetune_max_grad_norm, which only the text"):
+        run_table(clipping, {"aux": student}, splits, workdir=tmp_path, results_dir=tmp_path)
+    assert not (tmp_path / clipping.name).exists()  # refused before any cell
 
 
 def test_bad_experiment_configs_are_refused_by_name(config_file: Path, tmp_path: Path) -> None:
