@@ -630,16 +630,13 @@ def summarize_text(
                 "diverged_seeds": [c["seed"] for c in done if "diverged_at_round" in c],
             }
             if spec.max_grad_norm_of(method) is not None:
+                # a kept cell ran with this bound (kept_cell), so it counted its steps
                 entry["max_grad_norm"] = spec.max_grad_norm_of(method)
-                # cells written before steps were counted say nothing: left out
-                counted = [c for c in done if c.get("steps")]
                 entry["gradient_norm_median_per_seed"] = [
-                    c.get("gradient_norm", {}).get("median") for c in done
+                    c["gradient_norm"]["median"] for c in done
                 ]
-                entry["clipped_steps_fraction"] = (
-                    sum(c["clipped_steps"] for c in counted) / sum(c["steps"] for c in counted)
-                    if counted
-                    else None
+                entry["clipped_steps_fraction"] = sum(c["clipped_steps"] for c in done) / sum(
+                    c["steps"] for c in done
                 )
             summary[TEXT_METHODS[method]] = entry
             rows.append(
@@ -666,9 +663,7 @@ def _clipped_cell(entry: dict[str, Any]) -> str:
     """A table row's gradient clipping, as the Markdown shows it."""
     if "max_grad_norm" not in entry:
         return "-"
-    share = entry["clipped_steps_fraction"]
-    counted = "steps not counted" if share is None else f"{100 * share:.0f}% of steps"
-    return f"norm {entry['max_grad_norm']:g}: {counted}"
+    return f"norm {entry['max_grad_norm']:g}: {100 * entry['clipped_steps_fraction']:.0f}% of steps"
 
 
 def lengths_shown_comparison(

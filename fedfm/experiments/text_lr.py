@@ -332,6 +332,11 @@ def select_text_lr(
     trained = (
         f"Plaintext FedAvg of the whole {model} student with a fresh head (full fine-tuning), "
         "as `fedfm paper-text` trains it"
+        + (
+            f", each step's gradient clipped to total norm {clip:g}"
+            if (clip := spec.max_grad_norm_of("full-finetune")) is not None
+            else ", its gradient not clipped"
+        )
         if finetuning
         else f"The protocol's client rule on the frozen {model} student's block outputs in "
         "plaintext, as `fedfm paper-text` trains"

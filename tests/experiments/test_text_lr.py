@@ -202,6 +202,8 @@ def test_full_finetuning_is_selected_on_its_own_grid_and_held_out_texts(
         f'"ours" = {spec.lr_of("ours"):g}, "full-finetune" = {rate:g} }}'
     )
     assert "whole minilm student" in report["description"]
+    clip = spec.max_grad_norm_of("full-finetune")  # the selection trains as the table does
+    assert f"clipped to total norm {clip:g}" in report["description"]
 
 
 def test_full_finetuning_that_diverges_stops_and_says_so(tmp_path, monkeypatch) -> None:
